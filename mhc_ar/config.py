@@ -1,0 +1,211 @@
+"""Launch configuration: every knob of the kernels lives here, chosen by named functions.
+
+The consumer runs one cluster of CTAs per token. The token's H columns are cut into 16-byte
+vectors of 8 bf16; CTA c of the cluster owns vectors [c * vectors_per_cta, (c+1) *
+vectors_per_cta); its thread t owns local vectors t, t + threads_per_cta, ... (its fragments).
+The RMSNorm sum of squares follows exactly that tiling (per-thread partial over its fragments,
+warp butterfly, warps in order, CTAs in order), and the reference models it from
+:meth:`ConsumerTiling.reduction_tree_args`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from .protocol import MAX_TP
+
+VECTOR_ELEMS = 8  # bf16 per 16-byte vector
+WARP_SIZE = 32
+MAX_HC = 8
+# Hopper's portable cluster size limit (larger needs a non-portable opt-in per kernel).
+MAX_CLUSTER_SIZE = 8
+MAX_THREADS_PER_CTA = 1024
+# MXFP8: one UE8M0 scale per 32 values = 4 vectors held by 4 adjacent lanes.
+MXFP8_BLOCK = 32
+VECTORS_PER_MXFP8_BLOCK = MXFP8_BLOCK // VECTOR_ELEMS
+# The consumer aims at this many vectors per CTA (one per thread): 4096 -> 4 CTAs,
+# 5120 -> 5, 7168 -> 7, each CTA 128 threads with one vector each.
+TARGET_VECTORS_PER_CTA = 128
+CONSUMER_MAX_THREADS = 256
+PUBLISH_THREADS = 128
+
+
+class Variant(str, enum.Enum):
+    """What the consumer writes."""
+
+    FULL = "full"  # new_residual + layer_input (bf16)
+    MXFP8 = "mxfp8"  # new_residual + layer_input (bf16) + layer_input as MXFP8
+    RESIDUAL_ONLY = "residual_only"  # new_residual only
+
+
+class Contribution(str, enum.Enum):
+    """What a rank publishes."""
+
+    CALL = "call"  # x
+    FINALIZE = "finalize"  # weighted top-k sum of permuted expert rows + shared expert
+
+
+class Transport(str, enum.Enum):
+    EMULATED = "emulated"  # tp virtual ranks in one GPU's memory
+    UNICAST = "unicast"  # torch symmetric memory peer addresses (H100/H200)
+    MULTICAST = "multicast"  # NVLink multicast (GB200/GB300); compile-tested only here
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class ConsumerTiling:
+    hidden_size: int
+    cluster_size: int
+    threads_per_cta: int
+    vectors_per_cta: int
+
+    def __post_init__(self):
+        h = self.hidden_size
+        if h <= 0 or h % VECTOR_ELEMS:
+            raise ValueError(f"hidden_size must be a positive multiple of {VECTOR_ELEMS}, got {h}")
+        if not 1 <= self.cluster_size <= MAX_CLUSTER_SIZE:
+            raise ValueError(f"cluster_size must be in [1, {MAX_CLUSTER_SIZE}], got {self.cluster_size}")
+        t = self.threads_per_cta
+        if t <= 0 or t % WARP_SIZE or t > MAX_THREADS_PER_CTA:
+            raise ValueError(f"threads_per_cta must be a multiple of {WARP_SIZE} in (0, {MAX_THREADS_PER_CTA}], got {t}")
+        if self.vectors_per_cta <= 0 or self.vectors_per_cta % VECTORS_PER_MXFP8_BLOCK:
+            raise ValueError(
+                f"vectors_per_cta must be a positive multiple of {VECTORS_PER_MXFP8_BLOCK} "
+                f"(an MXFP8 block must not straddle CTAs), got {self.vectors_per_cta}"
+            )
+        n = self.num_vectors
+        if self.cluster_size * self.vectors_per_cta < n:
+            raise ValueError(f"tiling covers {self.cluster_size * self.vectors_per_cta} of {n} vectors")
+        if (self.cluster_size - 1) * self.vectors_per_cta >= n:
+            raise ValueError("tiling leaves the last CTA of the cluster without columns")
+
+    @property
+    def num_vectors(self) -> int:
+        return self.hidden_size // VECTOR_ELEMS
+
+    @property
+    def fragments_per_thread(self) -> int:
+        return -(-self.vectors_per_cta // self.threads_per_cta)
+
+    @property
+    def warps_per_cta(self) -> int:
+        return self.threads_per_cta // WARP_SIZE
+
+    @property
+    def needs_predicate(self) -> bool:
+        """Whether some thread owns fewer fragments than others (then loads/stores are predicated)."""
+        return (
+            self.fragments_per_thread * self.threads_per_cta != self.vectors_per_cta
+            or self.cluster_size * self.vectors_per_cta != self.num_vectors
+        )
+
+    def reduction_tree_args(self) -> dict:
+        """Keyword arguments of reference.ReductionTree describing this tiling's sum order."""
+        return dict(
+            cluster_size=self.cluster_size,
+            threads_per_cta=self.threads_per_cta,
+            vectors_per_cta=self.vectors_per_cta,
+            elems_per_vector=VECTOR_ELEMS,
+            warp_size=WARP_SIZE,
+        )
+
+
+def choose_consumer_tiling(hidden_size: int) -> ConsumerTiling:
+    """The consumer tiling for a hidden size: about TARGET_VECTORS_PER_CTA vectors per CTA."""
+    if hidden_size <= 0 or hidden_size % VECTOR_ELEMS:
+        raise ValueError(f"hidden_size must be a positive multiple of {VECTOR_ELEMS}, got {hidden_size}")
+    vectors = hidden_size // VECTOR_ELEMS
+    cluster = min(MAX_CLUSTER_SIZE, -(-vectors // TARGET_VECTORS_PER_CTA))
+    while True:
+        per_cta = _round_up(-(-vectors // cluster), VECTORS_PER_MXFP8_BLOCK)
+        if cluster == 1 or (cluster - 1) * per_cta < vectors:
+            break
+        cluster -= 1  # rounding per_cta up emptied the last CTA: use fewer CTAs
+    threads = min(_round_up(per_cta, WARP_SIZE), CONSUMER_MAX_THREADS)
+    return ConsumerTiling(hidden_size, cluster, threads, per_cta)
+
+
+@dataclass(frozen=True)
+class ConsumerSpec:
+    """Everything one consumer compile depends on."""
+
+    tiling: ConsumerTiling
+    hc: int
+    tp: int
+    capacity: int
+    variant: Variant
+
+    def __post_init__(self):
+        _check_sizes(self.tiling.hidden_size, self.tp, self.capacity)
+        if not 1 <= self.hc <= MAX_HC:
+            raise ValueError(f"hc_mult must be in [1, {MAX_HC}], got {self.hc}")
+        if self.variant is Variant.MXFP8 and self.tiling.hidden_size % (4 * MXFP8_BLOCK):
+            raise ValueError("the MXFP8 variant needs hidden_size to be a multiple of 128")
+
+    @property
+    def hidden_size(self) -> int:
+        return self.tiling.hidden_size
+
+
+@dataclass(frozen=True)
+class PublishSpec:
+    """Everything one publish compile depends on."""
+
+    hidden_size: int
+    tp: int
+    capacity: int
+    contribution: Contribution
+    top_k: int
+    multicast: bool
+    threads_per_cta: int = PUBLISH_THREADS
+
+    def __post_init__(self):
+        _check_sizes(self.hidden_size, self.tp, self.capacity)
+        if self.contribution is Contribution.FINALIZE and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1 for finalize, got {self.top_k}")
+        if self.contribution is Contribution.CALL and self.top_k != 0:
+            raise ValueError("top_k is a finalize parameter; the call publish takes top_k=0")
+        if self.threads_per_cta % WARP_SIZE or not 0 < self.threads_per_cta <= MAX_THREADS_PER_CTA:
+            raise ValueError(f"threads_per_cta must be a multiple of {WARP_SIZE}, got {self.threads_per_cta}")
+
+    @property
+    def num_vectors(self) -> int:
+        return self.hidden_size // VECTOR_ELEMS
+
+
+def _check_sizes(hidden_size: int, tp: int, capacity: int) -> None:
+    if hidden_size <= 0 or hidden_size % VECTOR_ELEMS:
+        raise ValueError(f"hidden_size must be a positive multiple of {VECTOR_ELEMS}, got {hidden_size}")
+    if not 1 <= tp <= MAX_TP:
+        raise ValueError(f"tp size must be in [1, {MAX_TP}], got {tp}")
+    if capacity < 1:
+        raise ValueError(f"max_num_tokens must be >= 1, got {capacity}")
+    # Byte offsets are 64-bit; token and vector indices are 32-bit.
+    if capacity * (hidden_size // VECTOR_ELEMS) >= 2**31:
+        raise ValueError("max_num_tokens * hidden_size / 8 must stay below 2**31")
+
+
+def padded_scale_rows(num_tokens: int) -> int:
+    return _round_up(num_tokens, 128)
+
+
+def mxfp8_scale_bytes(num_tokens: int, hidden_size: int) -> int:
+    """Bytes of the 128x4-swizzled UE8M0 scale tensor FlashInfer's MXFP8 GEMMs read."""
+    return padded_scale_rows(num_tokens) * _round_up(hidden_size // MXFP8_BLOCK, 4)
+
+
+__all__ = [
+    "ConsumerSpec",
+    "ConsumerTiling",
+    "Contribution",
+    "PublishSpec",
+    "Transport",
+    "Variant",
+    "choose_consumer_tiling",
+    "mxfp8_scale_bytes",
+    "padded_scale_rows",
+]

@@ -1,0 +1,308 @@
+"""Consumer kernel: Lamport spin, reduce, post-mix, collapse, RMSNorm, MXFP8, re-arm.
+
+One cluster of `cluster_size` CTAs per token (see mhc_ar.config.ConsumerTiling). Each thread owns
+`fragments_per_thread` 16-byte vectors of the token's columns and carries them through every
+stage in registers; the only cross-thread steps are the RMSNorm sum of squares (warp butterfly,
+warps in order through shared memory, CTAs in order through distributed shared memory) and the
+MXFP8 block maximum (4 adjacent lanes hold one 32-value block).
+
+Contract steps (SPEC.md) as they appear below: 3 reduce, 4 post_mix, 5 collapse, 6 rms_norm,
+7 mxfp8. Steps 1-2 happened in the publish kernel.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils
+from cutlass import Float32, Int32, Int64, Uint32
+from flashinfer.quantization.quantization_cute_dsl_utils import (
+    INV_FLOAT8_E4M3_MAX,
+    bfloat2_hmax_reduce_to_f32,
+    bfloat2_max_abs_4,
+    bfloat2x4_to_fp8x8_packed,
+    compute_sf_index_swizzled_128x4_gpu,
+    float_to_ue8m0_fast,
+    reduce_max_4threads,
+    ue8m0_to_inv_scale_fast,
+)
+
+from .. import ptx
+from ..config import (
+    MXFP8_BLOCK,
+    VECTOR_ELEMS,
+    VECTORS_PER_MXFP8_BLOCK,
+    WARP_SIZE,
+    ConsumerSpec,
+    Variant,
+)
+from ..protocol import CONSUME_GENERATION, GENERATIONS, PUBLISH_GENERATION, SENTINEL_WORD
+
+_BF16_BYTES = 2
+_F32_BYTES = 4
+_WORDS = 4  # 32-bit words per 16-byte vector
+_SCALE_ROW_TILE = 128  # the 128x4 scale layout pads rows to a multiple of 128
+_BUTTERFLY_STEPS = WARP_SIZE.bit_length() - 1  # xor offsets 16, 8, 4, 2, 1
+
+
+def _widen(words):
+    """Four packed bf16x2 words -> eight fp32 values (exact)."""
+    values = []
+    for w in range(_WORDS):
+        low, high = ptx.bf16x2_to_f32x2(words[w])
+        values += [low, high]
+    return values
+
+
+def _narrow(values):
+    """Eight fp32 values -> four packed bf16x2 words (round to nearest even)."""
+    return [ptx.f32x2_to_bf16x2_rn(values[2 * w], values[2 * w + 1]) for w in range(_WORDS)]
+
+
+class ConsumerKernel:
+    """Compile-time configuration in `__init__`, launch in `__call__`, device code in `kernel`.
+
+    Pointer arguments are raw device addresses (Int64); those a variant does not use are 0:
+    mailbox       this rank's mailbox [3, tp, capacity, H] bf16
+    residual      [M, hc, H] bf16          new_residual  [M, hc, H] bf16 (out)
+    post          [M, hc] fp32             comb          [M, hc, hc] fp32 [source, target]
+    pre           [M, hc] fp32             norm_weight   [H] bf16
+    layer_input   [M, H] bf16 (out)        mx_values     [M, H] e4m3 (out, MXFP8 variant)
+    mx_scales     [roundup(M,128) * H/32] uint8, 128x4 swizzled (out, MXFP8 variant)
+    state         this rank's protocol state tensor (mhc_ar.protocol)
+    """
+
+    def __init__(self, spec: ConsumerSpec):
+        self.spec = spec
+        self.tiling = spec.tiling
+        self.has_norm = spec.variant is not Variant.RESIDUAL_ONLY
+        self.has_mxfp8 = spec.variant is Variant.MXFP8
+        # The cross-CTA sum needs a cluster; residual-only has no cross-CTA step.
+        self.cluster = self.tiling.cluster_size if self.has_norm else 1
+
+    @cute.jit
+    def __call__(
+        self,
+        mailbox: Int64,
+        state: cute.Tensor,
+        residual: Int64,
+        post: Int64,
+        comb: Int64,
+        pre: Int64,
+        norm_weight: Int64,
+        new_residual: Int64,
+        layer_input: Int64,
+        mx_values: Int64,
+        mx_scales: Int64,
+        eps: Float32,
+        num_tokens: Int32,
+        stream,
+    ):
+        tiling = self.tiling
+        args = (mailbox, state, residual, post, comb, pre, norm_weight, new_residual, layer_input)
+        self.kernel(*args, mx_values, mx_scales, eps, num_tokens).launch(
+            grid=[num_tokens * tiling.cluster_size, 1, 1],
+            block=[tiling.threads_per_cta, 1, 1],
+            cluster=[self.cluster, 1, 1],
+            stream=stream,
+            use_pdl=True,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mailbox: Int64,
+        state: cute.Tensor,
+        residual: Int64,
+        post: Int64,
+        comb: Int64,
+        pre: Int64,
+        norm_weight: Int64,
+        new_residual: Int64,
+        layer_input: Int64,
+        mx_values: Int64,
+        mx_scales: Int64,
+        eps: Float32,
+        num_tokens: Int32,
+    ):
+        spec, tiling = self.spec, self.tiling
+        hidden, hc, tp = spec.hidden_size, spec.hc, spec.tp
+        threads, per_cta = tiling.threads_per_cta, tiling.vectors_per_cta
+        clusters = tiling.cluster_size
+
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        token = bid // clusters
+        cta = bid - token * clusters
+        lane = tid % WARP_SIZE
+        warp = tid // WARP_SIZE
+
+        smem = cutlass.utils.SmemAllocator()
+        warp_sums = smem.allocate_tensor(Float32, cute.make_layout((tiling.warps_per_cta,)), byte_alignment=16)
+        cluster_sums = smem.allocate_tensor(Float32, cute.make_layout((clusters,)), byte_alignment=16)
+        if cutlass.const_expr(self.has_norm and clusters > 1):
+            # Every CTA of the cluster must have started before any writes into its shared
+            # memory; the matching wait sits right before the first remote store.
+            cute.arch.cluster_arrive_relaxed()
+
+        # PDL: nothing a preceding kernel wrote (mailbox, generation, inputs) is read before this.
+        cute.arch.griddepcontrol_wait()
+        state_address = state.iterator.toint()
+        generation = Int64(ptx.ld_volatile_u32(state_address + CONSUME_GENERATION * 4))
+        cute.arch.griddepcontrol_launch_dependents()
+
+        # Per-token mix coefficients (the same for every thread of the token).
+        row = Int64(token)
+        post_t = [ptx.ld_global_f32(post + (row * hc + t) * _F32_BYTES) for t in range(hc)]
+        comb_st = [
+            [ptx.ld_global_f32(comb + ((row * hc + s) * hc + t) * _F32_BYTES) for t in range(hc)] for s in range(hc)
+        ]
+        pre_t = []
+        if cutlass.const_expr(self.has_norm):
+            pre_t = [ptx.ld_global_f32(pre + (row * hc + t) * _F32_BYTES) for t in range(hc)]
+
+        rank_stride = Int64(spec.capacity * hidden * _BF16_BYTES)  # mailbox[g, r] -> mailbox[g, r+1]
+        generation_base = mailbox + generation * (tp * spec.capacity * hidden * _BF16_BYTES)
+
+        sum_sq = Float32(0.0)
+        fragments = []  # (column, valid, p values) per fragment, for the normalization
+        for k in cutlass.range_constexpr(tiling.fragments_per_thread):
+            local = tid + k * threads
+            vector = cta * per_cta + local
+            valid = None
+            if cutlass.const_expr(tiling.needs_predicate):
+                valid = (local < per_cta) & (vector < tiling.num_vectors)
+            column = Int64(vector) * VECTOR_ELEMS
+
+            # ---- spin: wait until every rank's 16 bytes have landed (bitwise sentinel test)
+            slot = generation_base + (row * hidden + column) * _BF16_BYTES
+            received = []
+            for r in cutlass.range_constexpr(tp):
+                received.append(ptx.ld_volatile_v4(slot + rank_stride * r, valid))
+            for r in cutlass.range_constexpr(tp):
+                w0, w1, w2, w3 = received[r]
+                while ptx.words_hold_sentinel(w0, w1, w2, w3):
+                    w0, w1, w2, w3 = ptx.ld_volatile_v4(slot + rank_stride * r, valid)
+                received[r] = (w0, w1, w2, w3)
+            # Re-arm exactly the slots consumed (peers write this generation again 3 calls later).
+            for r in cutlass.range_constexpr(tp):
+                ptx.st_global_v4(slot + rank_stride * r, *([Uint32(SENTINEL_WORD)] * _WORDS), valid)
+
+            # ---- reduce: fp32 sum in rank order from +0.0, one rounding to bf16
+            total = [Float32(0.0)] * VECTOR_ELEMS
+            for r in cutlass.range_constexpr(tp):
+                lanes = _widen(received[r])
+                total = [ptx.add_rn(total[j], lanes[j]) for j in range(VECTOR_ELEMS)]
+            y = _widen(_narrow(total))
+
+            # ---- post_mix: a = y * post[t]; a = fma(residual[s], comb[s, t], a) over s in order
+            streams = []
+            for s in cutlass.range_constexpr(hc):
+                address = residual + ((row * hc + s) * hidden + column) * _BF16_BYTES
+                streams.append(_widen(ptx.ld_global_v4(address, valid)))
+            mixed = []
+            for t in cutlass.range_constexpr(hc):
+                a = [ptx.mul_rn(y[j], post_t[t]) for j in range(VECTOR_ELEMS)]
+                for s in cutlass.range_constexpr(hc):
+                    a = [ptx.fma_rn(streams[s][j], comb_st[s][t], a[j]) for j in range(VECTOR_ELEMS)]
+                words = _narrow(a)
+                address = new_residual + ((row * hc + t) * hidden + column) * _BF16_BYTES
+                ptx.st_global_v4(address, *words, valid)
+                mixed.append(_widen(words))
+
+            if cutlass.const_expr(self.has_norm):
+                # ---- collapse: c = +0; c = fma(new_residual[t], pre[t], c) over t in order
+                c = [Float32(0.0)] * VECTOR_ELEMS
+                for t in cutlass.range_constexpr(hc):
+                    c = [ptx.fma_rn(mixed[t][j], pre_t[t], c[j]) for j in range(VECTOR_ELEMS)]
+                p = _widen(_narrow(c))
+                # ---- rms_norm, thread partial: fragments in order, elements in order
+                for j in cutlass.range_constexpr(VECTOR_ELEMS):
+                    sum_sq = ptx.fma_rn(p[j], p[j], sum_sq)
+                fragments.append((vector, column, valid, p))
+
+        if cutlass.const_expr(self.has_norm):
+            inv = self._inverse_rms(sum_sq, eps, lane, warp, cta, warp_sums, cluster_sums)
+            for f in cutlass.range_constexpr(len(fragments)):
+                vector, column, valid, p = fragments[f]
+                w = _widen(ptx.ld_global_v4(norm_weight + column * _BF16_BYTES, valid))
+                out = _narrow([ptx.mul_rn(ptx.mul_rn(p[j], inv), w[j]) for j in range(VECTOR_ELEMS)])
+                ptx.st_global_v4(layer_input + (row * hidden + column) * _BF16_BYTES, *out, valid)
+                if cutlass.const_expr(self.has_mxfp8):
+                    self._mxfp8_block(out, row, vector, column, lane, valid, mx_values, mx_scales)
+            if cutlass.const_expr(self.has_mxfp8):
+                self._zero_padding_scales(fragments, token, num_tokens, lane, mx_scales)
+
+        if bid == 0 and tid == 0:
+            # Advance the generation for the next publish (see mhc_ar.protocol).
+            next_generation = (generation + 1) % GENERATIONS
+            ptx.st_global_u32(state_address + PUBLISH_GENERATION * 4, Uint32(next_generation))
+
+    # ------------------------------------------------------------------------------------------
+
+    @cute.jit
+    def _inverse_rms(self, sum_sq, eps, lane, warp, cta, warp_sums, cluster_sums):
+        """Contract step 6's tree: warp butterfly, warps in order, CTAs in order; then
+        rsqrt.approx(ss / H + eps)."""
+        tiling = self.tiling
+        for step in cutlass.range_constexpr(_BUTTERFLY_STEPS):
+            offset = (WARP_SIZE // 2) >> step  # 16, 8, 4, 2, 1
+            sum_sq = ptx.add_rn(sum_sq, cute.arch.shuffle_sync_bfly(sum_sq, offset=offset))
+        if lane == 0:
+            ptx.st_shared_f32((warp_sums.iterator + warp).toint(), sum_sq)
+        cute.arch.sync_threads()
+        cta_sum = Float32(0.0)
+        for w in cutlass.range_constexpr(tiling.warps_per_cta):
+            cta_sum = ptx.add_rn(cta_sum, ptx.ld_shared_f32((warp_sums.iterator + w).toint()))
+
+        total = Float32(0.0)
+        if cutlass.const_expr(tiling.cluster_size > 1):
+            cute.arch.cluster_wait()  # pairs with the arrive at kernel start: all CTAs running
+            tid, _, _ = cute.arch.thread_idx()
+            if tid < tiling.cluster_size:
+                # Thread d writes this CTA's sum into slot [cta] of CTA d.
+                ptx.st_shared_cluster_f32((cluster_sums.iterator + cta).toint(), tid, cta_sum)
+            cute.arch.cluster_arrive()  # release: the remote stores above
+            cute.arch.cluster_wait()  # acquire: every CTA's stores into this CTA
+            for c in cutlass.range_constexpr(tiling.cluster_size):
+                total = ptx.add_rn(total, ptx.ld_shared_f32((cluster_sums.iterator + c).toint()))
+        else:
+            total = ptx.add_rn(total, cta_sum)
+        mean = ptx.div_rn(total, Float32(float(self.spec.hidden_size)))
+        return ptx.rsqrt_approx_ftz(ptx.add_rn(mean, eps))
+
+    @cute.jit
+    def _mxfp8_block(self, out, row, vector, column, lane, valid, mx_values, mx_scales):
+        """Contract step 7 with FlashInfer's CuTe MXFP8 helpers, so the bytes are those of
+        mxfp8_quantize(layer_input): 4 adjacent lanes hold one block of 32."""
+        amax = bfloat2_hmax_reduce_to_f32(bfloat2_max_abs_4(out[0], out[1], out[2], out[3]))
+        amax = reduce_max_4threads(amax)
+        scale = float_to_ue8m0_fast(ptx.mul_rn(amax, Float32(INV_FLOAT8_E4M3_MAX)))
+        packed = bfloat2x4_to_fp8x8_packed(out[0], out[1], out[2], out[3], ue8m0_to_inv_scale_fast(scale))
+        ptx.st_global_u64(mx_values + row * self.spec.hidden_size + column, packed, valid)
+        block = vector // VECTORS_PER_MXFP8_BLOCK
+        offset = compute_sf_index_swizzled_128x4_gpu(Int32(row), block, Int32(self._scale_columns()))
+        leader = (lane % VECTORS_PER_MXFP8_BLOCK) == 0
+        if cutlass.const_expr(valid is not None):
+            leader = leader & valid
+        ptx.st_global_u8(mx_scales + Int64(offset), scale, leader)
+
+    @cute.jit
+    def _zero_padding_scales(self, fragments, token, num_tokens, lane, mx_scales):
+        """Scale rows M..roundup(M,128)-1 are zero: cluster `token` clears rows M+token, M+token+M, ..."""
+        padded_rows = (num_tokens + (_SCALE_ROW_TILE - 1)) // _SCALE_ROW_TILE * _SCALE_ROW_TILE
+        pad_row = num_tokens + token
+        while pad_row < padded_rows:
+            for f in cutlass.range_constexpr(len(fragments)):
+                vector, column, valid, p = fragments[f]
+                block = vector // VECTORS_PER_MXFP8_BLOCK
+                offset = compute_sf_index_swizzled_128x4_gpu(pad_row, block, Int32(self._scale_columns()))
+                leader = (lane % VECTORS_PER_MXFP8_BLOCK) == 0
+                if cutlass.const_expr(valid is not None):
+                    leader = leader & valid
+                ptx.st_global_u8(mx_scales + Int64(offset), Uint32(0), leader)
+            pad_row = pad_row + num_tokens
+
+    def _scale_columns(self) -> int:
+        # The MXFP8 variant requires H % 128 == 0, so H/32 is already a multiple of 4.
+        return self.spec.hidden_size // MXFP8_BLOCK

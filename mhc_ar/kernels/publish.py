@@ -1,0 +1,150 @@
+"""Publish kernel: this rank's contribution into slot `rank` of every rank's mailbox.
+
+One thread per 16-byte vector of the [M, H] contribution. Contract steps 1 (contribution: x, or
+the MoE finalize sum with one rounding) and 2 (sentinel scrub) happen here; the 16 bytes are then
+stored to each of the tp mailboxes (unicast/emulated: `st.global.v4.b32` per peer) or once to the
+multicast address (`multimem.st`, GB200/GB300 only).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint32
+
+from .. import ptx
+from ..config import VECTOR_ELEMS, Contribution, PublishSpec
+from ..protocol import CONSUME_GENERATION, MAX_TP, PUBLISH_GENERATION
+
+_BF16_BYTES = 2
+_WORDS_PER_VECTOR = 4
+
+
+class PublishKernel:
+    """Compile-time configuration in `__init__`, launch in `__call__`, device code in `kernel`.
+
+    Every pointer argument is a raw device address (Int64); unused ones are 0:
+    source      x [M, H] bf16 (call) or shared_output [M, H] bf16 (finalize)
+    gemm2       gemm2_permuted [rows, H] bf16 (finalize)
+    weights     expert_weights [M, top_k] fp32 (finalize)
+    routes      expanded_idx_to_permuted_idx [M, top_k] int32, -1 = no such expert here
+    state       this rank's protocol state, int32 [STATE_WORDS] tensor (mhc_ar.protocol); also
+                tells TVM-FFI which device and stream to launch on
+    peer0..7    mailbox base of ranks 0..tp-1 (unicast/emulated)
+    multicast   multicast mailbox base (multicast transport)
+    """
+
+    def __init__(self, spec: PublishSpec):
+        self.spec = spec
+        self.finalize = spec.contribution is Contribution.FINALIZE
+
+    @cute.jit
+    def __call__(
+        self,
+        source: Int64,
+        gemm2: Int64,
+        weights: Int64,
+        routes: Int64,
+        state: cute.Tensor,
+        peer0: Int64,
+        peer1: Int64,
+        peer2: Int64,
+        peer3: Int64,
+        peer4: Int64,
+        peer5: Int64,
+        peer6: Int64,
+        peer7: Int64,
+        multicast: Int64,
+        rank: Int32,
+        num_tokens: Int32,
+        stream,
+    ):
+        threads = self.spec.threads_per_cta
+        blocks = (num_tokens * self.spec.num_vectors + (threads - 1)) // threads
+        peers = (peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7)
+        self.kernel(source, gemm2, weights, routes, state, *peers, multicast, rank, num_tokens).launch(
+            grid=[blocks, 1, 1], block=[threads, 1, 1], stream=stream, use_pdl=True
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        source: Int64,
+        gemm2: Int64,
+        weights: Int64,
+        routes: Int64,
+        state: cute.Tensor,
+        peer0: Int64,
+        peer1: Int64,
+        peer2: Int64,
+        peer3: Int64,
+        peer4: Int64,
+        peer5: Int64,
+        peer6: Int64,
+        peer7: Int64,
+        multicast: Int64,
+        rank: Int32,
+        num_tokens: Int32,
+    ):
+        spec = self.spec
+        hidden = spec.hidden_size
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        # PDL: nothing the preceding kernel wrote (x, expert outputs, the generation) is read
+        # before this wait.
+        cute.arch.griddepcontrol_wait()
+        state_address = state.iterator.toint()
+        generation = Int32(ptx.ld_volatile_u32(state_address + PUBLISH_GENERATION * 4))
+        if bid == 0 and tid == 0:
+            # Tell this call's consumer which generation to read (see mhc_ar.protocol).
+            ptx.st_global_u32(state_address + CONSUME_GENERATION * 4, Uint32(generation))
+        cute.arch.griddepcontrol_launch_dependents()
+
+        index = bid * spec.threads_per_cta + tid
+        if index < num_tokens * spec.num_vectors:
+            token = index // spec.num_vectors
+            vector = index - token * spec.num_vectors
+            element_offset = Int64(token) * hidden + Int64(vector) * VECTOR_ELEMS
+            if cutlass.const_expr(self.finalize):
+                words = self._finalize_contribution(source, gemm2, weights, routes, token, vector, element_offset)
+            else:
+                words = ptx.ld_global_v4(source + element_offset * _BF16_BYTES)
+            w0 = ptx.scrub_word(words[0])
+            w1 = ptx.scrub_word(words[1])
+            w2 = ptx.scrub_word(words[2])
+            w3 = ptx.scrub_word(words[3])
+
+            slot = ((Int64(generation) * spec.tp + Int64(rank)) * spec.capacity + Int64(token)) * hidden
+            slot_bytes = (slot + Int64(vector) * VECTOR_ELEMS) * _BF16_BYTES
+            if cutlass.const_expr(spec.multicast):
+                ptx.multimem_st_v4(multicast + slot_bytes, w0, w1, w2, w3)
+            else:
+                peers = (peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7)
+                for peer in cutlass.range_constexpr(spec.tp):
+                    ptx.st_global_v4(peers[peer] + slot_bytes, w0, w1, w2, w3)
+
+    def _finalize_contribution(self, shared, gemm2, weights, routes, token, vector, element_offset):
+        """Contract step 1 for finalize: acc = +0; acc = fma(w_k, gemm2[idx_k], acc) over the routes
+        in order, skipping idx == -1; acc = acc + shared; one rounding to bf16."""
+        spec = self.spec
+        acc = [Float32(0.0)] * VECTOR_ELEMS
+        for k in range(spec.top_k):
+            route_offset = (Int64(token) * spec.top_k + k) * 4
+            row = ptx.ld_global_s32(routes + route_offset)
+            taken = row >= 0
+            weight = ptx.ld_global_f32(weights + route_offset)
+            row_bytes = (Int64(row) * spec.hidden_size + Int64(vector) * VECTOR_ELEMS) * _BF16_BYTES
+            expert = ptx.ld_global_v4(gemm2 + row_bytes, taken)
+            for w in range(_WORDS_PER_VECTOR):
+                low, high = ptx.bf16x2_to_f32x2(expert[w])
+                acc[2 * w] = ptx.fma_rn_if(taken, weight, low, acc[2 * w])
+                acc[2 * w + 1] = ptx.fma_rn_if(taken, weight, high, acc[2 * w + 1])
+        shared_words = ptx.ld_global_v4(shared + element_offset * _BF16_BYTES)
+        out = []
+        for w in range(_WORDS_PER_VECTOR):
+            low, high = ptx.bf16x2_to_f32x2(shared_words[w])
+            out.append(ptx.f32x2_to_bf16x2_rn(ptx.add_rn(acc[2 * w], low), ptx.add_rn(acc[2 * w + 1], high)))
+        return out
+
+
+assert MAX_TP == 8, "PublishKernel takes exactly eight peer mailbox addresses"

@@ -1,0 +1,314 @@
+"""PTX primitives the kernels are built from, one instruction (or one fixed sequence) each.
+
+Every floating-point step of the numerics contract (SPEC.md, "The numerics contract") is spelled
+here as an explicit PTX instruction, so neither the DSL nor LLVM can contract, reassociate or
+flush it: `fma.rn.f32` (no `.ftz`: subnormals are preserved, as the reference assumes),
+`mul.rn.f32` and `add.rn.f32` (the `.rn` suffix also forbids contraction into an fma),
+`div.rn.f32` and `rsqrt.approx.ftz.f32`. Memory accesses of the Lamport protocol are inline PTX
+too, so the PTX shows exactly one 16-byte access per vector: `ld.volatile.global.v4.b32` for the
+spin, `st.global.v4.b32` for peer stores and re-arming, `multimem.st` for the multicast
+transport only.
+
+Addresses are plain 64-bit integers (`Int64`): the kernels receive raw device addresses, the same
+way for a local tensor, a peer's mailbox from symmetric memory or an emulated rank's mailbox.
+"""
+
+from __future__ import annotations
+
+from cutlass import Boolean, Float32, Int32, Int64, Uint32, Uint64
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from .protocol import SENTINEL_BF16
+
+_LOW = f"0x{SENTINEL_BF16:08X}"  # sentinel in the low lane of a word
+_HIGH = f"0x{SENTINEL_BF16 << 16:08X}"  # sentinel in the high lane
+
+
+def _asm(result_type, operands, ptx, constraints, *, side_effects, loc, ip):
+    return llvm.inline_asm(
+        result_type,
+        operands,
+        ptx,
+        constraints,
+        has_side_effects=side_effects,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
+def _ir(values, loc, ip):
+    return [v.ir_value(loc=loc, ip=ip) for v in values]
+
+
+def _unpack(struct, count, dtype, loc, ip):
+    element = dtype.mlir_type
+    return tuple(dtype(llvm.extractvalue(element, struct, [i], loc=loc, ip=ip)) for i in range(count))
+
+
+# --------------------------------------------------------------------------------------------
+# fp32 arithmetic of the contract
+# --------------------------------------------------------------------------------------------
+
+
+@dsl_user_op
+def fma_rn(a: Float32, b: Float32, c: Float32, *, loc=None, ip=None) -> Float32:
+    """a * b + c with one rounding (contract steps 1, 4, 5, 6)."""
+    ops = _ir([Float32(a), Float32(b), Float32(c)], loc, ip)
+    return Float32(_asm(T.f32(), ops, "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f", side_effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def mul_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """a * b rounded on its own; `.rn` keeps it out of any fma contraction (contract step 4, 6)."""
+    ops = _ir([Float32(a), Float32(b)], loc, ip)
+    return Float32(_asm(T.f32(), ops, "mul.rn.f32 $0, $1, $2;", "=f,f,f", side_effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def add_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """a + b (contract steps 1, 3, 6)."""
+    ops = _ir([Float32(a), Float32(b)], loc, ip)
+    return Float32(_asm(T.f32(), ops, "add.rn.f32 $0, $1, $2;", "=f,f,f", side_effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def div_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """IEEE division, correctly rounded (contract step 6: ss / H)."""
+    ops = _ir([Float32(a), Float32(b)], loc, ip)
+    return Float32(_asm(T.f32(), ops, "div.rn.f32 $0, $1, $2;", "=f,f,f", side_effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def rsqrt_approx_ftz(x: Float32, *, loc=None, ip=None) -> Float32:
+    """The hardware reciprocal square root (contract step 6); the reference models it by table."""
+    ops = _ir([Float32(x)], loc, ip)
+    return Float32(_asm(T.f32(), ops, "rsqrt.approx.ftz.f32 $0, $1;", "=f,f", side_effects=False, loc=loc, ip=ip))
+
+
+# --------------------------------------------------------------------------------------------
+# bf16 <-> fp32 on packed words (lane 0 in the low half, as in memory)
+# --------------------------------------------------------------------------------------------
+
+
+@dsl_user_op
+def bf16x2_to_f32x2(word: Uint32, *, loc=None, ip=None):
+    """Exact widening of the two bf16 lanes of a word: (low lane, high lane)."""
+    struct = _asm(
+        llvm.StructType.get_literal([T.f32(), T.f32()]),
+        _ir([Uint32(word)], loc, ip),
+        "{\n\t.reg .b32 lo, hi;\n\tshl.b32 lo, $2, 16;\n\tand.b32 hi, $2, 0xFFFF0000;\n\t"
+        "mov.b32 $0, lo;\n\tmov.b32 $1, hi;\n\t}",
+        "=f,=f,r",
+        side_effects=False,
+        loc=loc,
+        ip=ip,
+    )
+    return _unpack(struct, 2, Float32, loc, ip)
+
+
+@dsl_user_op
+def f32x2_to_bf16x2_rn(low: Float32, high: Float32, *, loc=None, ip=None) -> Uint32:
+    """Round two fp32 values to bf16 (nearest-even; NaN becomes the canonical 0x7FFF) and pack."""
+    # cvt.rn.bf16x2.f32 d, a, b puts a in the upper half and b in the lower half.
+    ops = _ir([Float32(high), Float32(low)], loc, ip)
+    return Uint32(_asm(T.i32(), ops, "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", side_effects=False, loc=loc, ip=ip))
+
+
+# --------------------------------------------------------------------------------------------
+# Lamport sentinel handling (bitwise, never a float compare)
+# --------------------------------------------------------------------------------------------
+
+
+@dsl_user_op
+def scrub_word(word: Uint32, *, loc=None, ip=None) -> Uint32:
+    """Contract step 2: a lane with bits 0x8000 (-0.0) is published as 0x0000 (+0.0)."""
+    ptx = (
+        "{\n\t.reg .pred plo, phi;\n\t.reg .b32 lo, hi;\n\t"
+        "and.b32 lo, $1, 0x0000FFFF;\n\tand.b32 hi, $1, 0xFFFF0000;\n\t"
+        f"setp.eq.b32 plo, lo, {_LOW};\n\tsetp.eq.b32 phi, hi, {_HIGH};\n\t"
+        "selp.b32 lo, 0, lo, plo;\n\tselp.b32 hi, 0, hi, phi;\n\tor.b32 $0, lo, hi;\n\t}"
+    )
+    return Uint32(_asm(T.i32(), _ir([Uint32(word)], loc, ip), ptx, "=r,r", side_effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def words_hold_sentinel(w0: Uint32, w1: Uint32, w2: Uint32, w3: Uint32, *, loc=None, ip=None) -> Boolean:
+    """True while any of the eight bf16 lanes still equals 0x8000 (an unwritten mailbox lane)."""
+    compares = []
+    for i in range(1, 5):
+        compares.append(f"and.b32 lo, ${i}, 0x0000FFFF;\n\tand.b32 hi, ${i}, 0xFFFF0000;\n\t")
+        first = "setp.eq.b32 p, lo, {}" if i == 1 else "setp.eq.or.b32 p, lo, {}, p"
+        compares.append(first.format(_LOW) + f";\n\tsetp.eq.or.b32 p, hi, {_HIGH}, p;\n\t")
+    ptx = "{\n\t.reg .pred p;\n\t.reg .b32 lo, hi;\n\t" + "".join(compares) + "selp.u32 $0, 1, 0, p;\n\t}"
+    ops = _ir([Uint32(w0), Uint32(w1), Uint32(w2), Uint32(w3)], loc, ip)
+    flag = Uint32(_asm(T.i32(), ops, ptx, "=r,r,r,r,r", side_effects=False, loc=loc, ip=ip))
+    return flag != Uint32(0)
+
+
+# --------------------------------------------------------------------------------------------
+# Global memory, 16 bytes at a time. An optional predicate (a DSL Boolean) turns an access off
+# for threads that own no vector (a predicated-off load yields zeros, which hold no sentinel).
+# --------------------------------------------------------------------------------------------
+
+
+def _v4_type():
+    return llvm.StructType.get_literal([T.i32(), T.i32(), T.i32(), T.i32()])
+
+
+def _guarded(instruction: str, predicate_operand: int | None, zero_outputs: int = 0) -> str:
+    if predicate_operand is None:
+        return instruction
+    zeros = "".join(f"@!p mov.b32 ${i}, 0;\n\t" for i in range(zero_outputs))
+    return (
+        f"{{\n\t.reg .pred p;\n\tsetp.ne.b32 p, ${predicate_operand}, 0;\n\t{zeros}@p {instruction}\n\t}}"
+    )
+
+
+def _predicate_operand(predicate, loc, ip):
+    return Int32(predicate).ir_value(loc=loc, ip=ip)
+
+
+def _load_v4(opcode: str, address, predicate, side_effects, loc, ip):
+    operands = _ir([Int64(address)], loc, ip)
+    constraints = "=r,=r,=r,=r,l"
+    pred_index = None
+    if predicate is not None:
+        operands.append(_predicate_operand(predicate, loc, ip))
+        constraints += ",r"
+        pred_index = 5
+    ptx = _guarded(f"{opcode} {{$0, $1, $2, $3}}, [$4];", pred_index, zero_outputs=4)
+    struct = _asm(_v4_type(), operands, ptx, constraints, side_effects=side_effects, loc=loc, ip=ip)
+    return _unpack(struct, 4, Uint32, loc, ip)
+
+
+@dsl_user_op
+def ld_global_v4(address: Int64, predicate=None, *, loc=None, ip=None):
+    """16-byte load of data written by an earlier kernel (issued after griddepcontrol.wait)."""
+    return _load_v4("ld.global.v4.b32", address, predicate, False, loc, ip)
+
+
+@dsl_user_op
+def ld_volatile_v4(address: Int64, predicate=None, *, loc=None, ip=None):
+    """16-byte volatile load: the Lamport spin re-reads memory on every iteration."""
+    return _load_v4("ld.volatile.global.v4.b32", address, predicate, True, loc, ip)
+
+
+def _store(instruction: str, constraints: str, values, predicate, loc, ip):
+    operands = _ir(values, loc, ip)
+    pred_index = None
+    if predicate is not None:
+        pred_index = len(operands)
+        operands.append(_predicate_operand(predicate, loc, ip))
+        constraints += ",r"
+    _asm(None, operands, _guarded(instruction, pred_index), constraints, side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def st_global_v4(address: Int64, w0: Uint32, w1: Uint32, w2: Uint32, w3: Uint32, predicate=None, *, loc=None, ip=None) -> None:
+    """16-byte store: peer mailbox publish, mailbox re-arm, bf16 outputs."""
+    values = [Int64(address), Uint32(w0), Uint32(w1), Uint32(w2), Uint32(w3)]
+    _store("st.global.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r", values, predicate, loc, ip)
+
+
+@dsl_user_op
+def st_global_u64(address: Int64, value: Uint64, predicate=None, *, loc=None, ip=None) -> None:
+    """8-byte store: eight MXFP8 values."""
+    _store("st.global.b64 [$0], $1;", "l,l", [Int64(address), Uint64(value)], predicate, loc, ip)
+
+
+@dsl_user_op
+def st_global_u8(address: Int64, value: Uint32, predicate=None, *, loc=None, ip=None) -> None:
+    """One byte: an MXFP8 scale."""
+    values = [Int64(address), Uint32(value)]
+    # PTX lets st take a register wider than its type: the low byte is stored.
+    _store("st.global.b8 [$0], $1;", "l,r", values, predicate, loc, ip)
+
+
+@dsl_user_op
+def st_global_u32(address: Int64, value: Uint32, *, loc=None, ip=None) -> None:
+    _store("st.global.b32 [$0], $1;", "l,r", [Int64(address), Uint32(value)], None, loc, ip)
+
+
+@dsl_user_op
+def ld_volatile_u32(address: Int64, *, loc=None, ip=None) -> Uint32:
+    """A protocol state word (generation), written by the previous kernel."""
+    ops = _ir([Int64(address)], loc, ip)
+    return Uint32(_asm(T.i32(), ops, "ld.volatile.global.b32 $0, [$1];", "=r,l", side_effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def ld_global_f32(address: Int64, *, loc=None, ip=None) -> Float32:
+    ops = _ir([Int64(address)], loc, ip)
+    return Float32(_asm(T.f32(), ops, "ld.global.f32 $0, [$1];", "=f,l", side_effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def ld_global_s32(address: Int64, *, loc=None, ip=None) -> Int32:
+    ops = _ir([Int64(address)], loc, ip)
+    return Int32(_asm(T.i32(), ops, "ld.global.b32 $0, [$1];", "=r,l", side_effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def fma_rn_if(predicate, a: Float32, b: Float32, c: Float32, *, loc=None, ip=None) -> Float32:
+    """fma.rn.f32 where the predicate holds, else c unchanged (a skipped MoE route)."""
+    ops = _ir([Float32(a), Float32(b), Float32(c)], loc, ip) + [_predicate_operand(predicate, loc, ip)]
+    ptx = (
+        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, $4, 0;\n\tmov.b32 $0, $3;\n\t"
+        "@p fma.rn.f32 $0, $1, $2, $3;\n\t}"
+    )
+    return Float32(_asm(T.f32(), ops, ptx, "=&f,f,f,f,r", side_effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def multimem_st_v4(address: Int64, w0: Uint32, w1: Uint32, w2: Uint32, w3: Uint32, *, loc=None, ip=None) -> None:
+    """One store to an NVLink multicast address reaches every rank's mailbox (GB200/GB300 only).
+
+    Compiled and PTX-checked on every machine; never executed on the H200 machines this project is
+    tested on (a multicast mapping can take shared GPUs out of service there).
+    """
+    ops = _ir([Int64(address), Uint32(w0), Uint32(w1), Uint32(w2), Uint32(w3)], loc, ip)
+    _asm(
+        None,
+        ops,
+        "multimem.st.relaxed.sys.global.v4.bf16x2 [$0], {$1, $2, $3, $4};",
+        "l,r,r,r,r",
+        side_effects=True,
+        loc=loc,
+        ip=ip,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Distributed shared memory (the cluster's RMSNorm reduction)
+# --------------------------------------------------------------------------------------------
+
+
+@dsl_user_op
+def st_shared_cluster_f32(shared_address: Uint32, cta_rank: Int32, value: Float32, *, loc=None, ip=None) -> None:
+    """Store `value` at the same shared-memory offset in CTA `cta_rank` of this cluster."""
+    ops = _ir([Uint32(shared_address), Int32(cta_rank), Float32(value)], loc, ip)
+    _asm(
+        None,
+        ops,
+        "{\n\t.reg .b32 remote;\n\tmapa.shared::cluster.u32 remote, $0, $1;\n\t"
+        "st.shared::cluster.f32 [remote], $2;\n\t}",
+        "r,r,f",
+        side_effects=True,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def ld_shared_f32(shared_address: Uint32, *, loc=None, ip=None) -> Float32:
+    ops = _ir([Uint32(shared_address)], loc, ip)
+    return Float32(_asm(T.f32(), ops, "ld.shared.f32 $0, [$1];", "=f,r", side_effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def st_shared_f32(shared_address: Uint32, value: Float32, *, loc=None, ip=None) -> None:
+    ops = _ir([Uint32(shared_address), Float32(value)], loc, ip)
+    _asm(None, ops, "st.shared.f32 [$0], $1;", "r,f", side_effects=True, loc=loc, ip=ip)
