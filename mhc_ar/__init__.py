@@ -1,1 +1,20 @@
+"""mhc-ar: fused TP Lamport all-reduce + DeepSeek V4.1 mHC post-mix, collapse, RMSNorm, MXFP8.
 
+Production side: CuTe DSL kernels (mhc_ar.kernels), their launch configuration (mhc_ar.config),
+the mailbox protocol (mhc_ar.protocol) and transports (mhc_ar.transport), and the host objects
+AllReduceMHC (one rank per process) and EmulatedAllReduceMHC (tp virtual ranks on one GPU).
+"""
+
+from .allreduce_mhc import AllReduceMHC, EmulatedAllReduceMHC
+from .config import ConsumerTiling, Contribution, Transport, Variant, choose_consumer_tiling, mxfp8_scale_bytes
+
+__all__ = [
+    "AllReduceMHC",
+    "ConsumerTiling",
+    "Contribution",
+    "EmulatedAllReduceMHC",
+    "Transport",
+    "Variant",
+    "choose_consumer_tiling",
+    "mxfp8_scale_bytes",
+]

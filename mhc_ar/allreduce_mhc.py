@@ -1,0 +1,407 @@
+"""AllReduceMHC: the fused TP all-reduce + mHC post-mix + collapse + RMSNorm (+ MXFP8).
+
+Per call, two kernels chained with PDL on the current stream: the publish (this rank's
+contribution into every rank's mailbox) and the consumer (spin, reduce, mix, normalize, re-arm).
+Both are compiled once at construction (M is a runtime argument), all protocol state lives on the
+device, so eager calls and CUDA graph replays behave the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from . import validation as check
+from .compile import compile_consumer, compile_publish
+from .config import (
+    ConsumerSpec,
+    Contribution,
+    PublishSpec,
+    Transport,
+    Variant,
+    choose_consumer_tiling,
+    mxfp8_scale_bytes,
+)
+from .transport import RankEndpoint, emulated_endpoints, make_transport, multicast_endpoint, unicast_endpoint
+
+_EMPTY = (0, 0, 0, 0)  # unused contribution addresses
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """Validated addresses of one rank's call, ready to launch."""
+
+    contribution: tuple[int, int, int, int]  # source, gemm2, weights, routes
+    mix: tuple[int, int, int, int, int]  # residual, post, comb, pre, norm_weight
+    outputs: tuple[int, int, int, int]  # new_residual, layer_input, mx_values, mx_scales
+    results: tuple  # what the caller gets back
+
+
+class _Engine:
+    """Static configuration, the compiled kernels, and the per-rank validation and launch."""
+
+    def __init__(self, *, hidden_size, hc_mult, max_num_tokens, top_k, tp, device, variant, multicast):
+        for name, value in (("hidden_size", hidden_size), ("hc_mult", hc_mult), ("max_num_tokens", max_num_tokens), ("top_k", top_k)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an int, got {type(value).__name__}")
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {top_k}")
+        self.hidden_size, self.hc, self.capacity, self.top_k, self.tp = hidden_size, hc_mult, max_num_tokens, top_k, tp
+        self.device = device
+        self.variant = variant
+        self.consumer_spec = ConsumerSpec(
+            choose_consumer_tiling(hidden_size), hc=hc_mult, tp=tp, capacity=max_num_tokens, variant=variant
+        )
+        common = dict(hidden_size=hidden_size, tp=tp, capacity=max_num_tokens, multicast=multicast)
+        self.publish_call = compile_publish(PublishSpec(contribution=Contribution.CALL, top_k=0, **common))
+        self.publish_finalize = None
+        if top_k >= 1:
+            self.publish_finalize = compile_publish(PublishSpec(contribution=Contribution.FINALIZE, top_k=top_k, **common))
+        self.consumer = compile_consumer(self.consumer_spec)
+
+    # ---- validation (pure: raises ValueError, changes nothing) ------------------------------
+
+    def check_call(self, x, mix, eps, mxfp8_out, out, tokens=None) -> _Launch:
+        m = check.check_tokens(x, "x", self.capacity) if tokens is None else tokens
+        check.check_tensor(x, "x", shape=(m, self.hidden_size), dtype=torch.bfloat16, device=self.device)
+        return self._check_mix((x.data_ptr(), 0, 0, 0), m, mix, eps, mxfp8_out, out)
+
+    def check_finalize(self, gemm2, weights, routes, shared, mix, eps, mxfp8_out, out) -> _Launch:
+        if self.publish_finalize is None:
+            raise ValueError("finalize needs an instance built with top_k >= 1")
+        m = check.check_tokens(shared, "shared_output", self.capacity)
+        h, k, dev = self.hidden_size, self.top_k, self.device
+        if not isinstance(gemm2, torch.Tensor) or gemm2.dim() != 2:
+            raise ValueError("gemm2_permuted must be a 2-D [rows, hidden_size] tensor")
+        check.check_tensor(gemm2, "gemm2_permuted", shape=(gemm2.shape[0], h), dtype=torch.bfloat16, device=dev)
+        check.check_tensor(weights, "expert_weights", shape=(m, k), dtype=torch.float32, device=dev)
+        check.check_tensor(routes, "expanded_idx_to_permuted_idx", shape=(m, k), dtype=torch.int32, device=dev)
+        check.check_tensor(shared, "shared_output", shape=(m, h), dtype=torch.bfloat16, device=dev)
+        contribution = (shared.data_ptr(), gemm2.data_ptr(), weights.data_ptr(), routes.data_ptr())
+        return self._check_mix(contribution, m, mix, eps, mxfp8_out, out)
+
+    def _check_mix(self, contribution, m, mix, eps, mxfp8_out, out) -> _Launch:
+        residual, post, comb, pre, norm_weight = mix
+        h, hc, dev = self.hidden_size, self.hc, self.device
+        check.check_tensor(residual, "residual", shape=(m, hc, h), dtype=torch.bfloat16, device=dev)
+        post_shape = (m, hc, 1) if isinstance(post, torch.Tensor) and post.dim() == 3 else (m, hc)
+        check.check_tensor(post, "post", shape=post_shape, dtype=torch.float32, device=dev)
+        check.check_tensor(comb, "comb", shape=(m, hc, hc), dtype=torch.float32, device=dev)
+        check.check_eps(eps)
+        residual_only = self.variant is Variant.RESIDUAL_ONLY
+        if residual_only:
+            for name, value in (("pre", pre), ("norm_weight", norm_weight)):
+                if value is not None:
+                    raise ValueError(f"{name} must be None for a residual_only instance (no layer input is computed)")
+        else:
+            check.check_tensor(pre, "pre", shape=(m, hc), dtype=torch.float32, device=dev)
+            check.check_tensor(norm_weight, "norm_weight", shape=(h,), dtype=torch.bfloat16, device=dev)
+
+        if out is None:
+            new_residual = torch.empty((m, hc, h), dtype=torch.bfloat16, device=dev)
+            layer_input = None if residual_only else torch.empty((m, h), dtype=torch.bfloat16, device=dev)
+        else:
+            if not isinstance(out, (tuple, list)) or len(out) != 2:
+                raise ValueError("out must be a (new_residual, layer_input) pair")
+            new_residual, layer_input = out
+            check.check_tensor(new_residual, "out[0] (new_residual)", shape=(m, hc, h), dtype=torch.bfloat16, device=dev)
+            if residual_only:
+                if layer_input is not None:
+                    raise ValueError("out[1] must be None for a residual_only instance")
+            else:
+                check.check_tensor(layer_input, "out[1] (layer_input)", shape=(m, h), dtype=torch.bfloat16, device=dev)
+
+        mx_values = mx_scales = 0
+        if self.variant is Variant.MXFP8:
+            if not isinstance(mxfp8_out, (tuple, list)) or len(mxfp8_out) != 2:
+                raise ValueError("mxfp8_out=(values, scales) is required by a quantize_layer_input instance")
+            values, scales = mxfp8_out
+            check.check_tensor(values, "mxfp8_out[0] (values)", shape=(m, h), dtype=torch.float8_e4m3fn, device=dev)
+            check.check_tensor(scales, "mxfp8_out[1] (scales)", shape=(mxfp8_scale_bytes(m, h),), dtype=torch.uint8, device=dev)
+            mx_values, mx_scales = values.data_ptr(), scales.data_ptr()
+        elif mxfp8_out is not None:
+            raise ValueError("mxfp8_out given, but this instance was built with quantize_layer_input=False")
+
+        pre_address = 0 if pre is None else pre.data_ptr()
+        weight_address = 0 if norm_weight is None else norm_weight.data_ptr()
+        li_address = 0 if layer_input is None else layer_input.data_ptr()
+        return _Launch(
+            contribution,
+            (residual.data_ptr(), post.data_ptr(), comb.data_ptr(), pre_address, weight_address),
+            (new_residual.data_ptr(), li_address, mx_values, mx_scales),
+            (new_residual, layer_input),
+        )
+
+    # ---- launches -----------------------------------------------------------------------------
+
+    def publish(self, endpoint: RankEndpoint, launch: _Launch, tokens: int, finalize: bool) -> None:
+        kernel = self.publish_finalize if finalize else self.publish_call
+        kernel.function(
+            *launch.contribution,
+            endpoint.state,
+            *endpoint.peer_addresses,
+            endpoint.multicast_address,
+            endpoint.rank,
+            tokens,
+        )
+
+    def consume(self, endpoint: RankEndpoint, launch: _Launch, eps: float, tokens: int) -> None:
+        residual, post, comb, pre, norm_weight = launch.mix
+        new_residual, layer_input, mx_values, mx_scales = launch.outputs
+        self.consumer.function(
+            endpoint.mailbox.data_ptr(),
+            endpoint.state,
+            residual,
+            post,
+            comb,
+            pre,
+            norm_weight,
+            new_residual,
+            layer_input,
+            mx_values,
+            mx_scales,
+            eps,
+            tokens,
+        )
+
+
+def _variant(quantize_layer_input: bool, residual_only: bool) -> Variant:
+    if quantize_layer_input and residual_only:
+        raise ValueError("quantize_layer_input and residual_only exclude each other (residual_only has no layer input)")
+    if quantize_layer_input:
+        return Variant.MXFP8
+    return Variant.RESIDUAL_ONLY if residual_only else Variant.FULL
+
+
+def _device(device) -> torch.device:
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"device must be a CUDA device, got {device}")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+class AllReduceMHC:
+    """One TP rank of the fused operation (real TP: one process per GPU).
+
+    Construction is collective over `group` (every rank of that group, same arguments).
+
+    Args:
+        hidden_size: H, a multiple of 8 (of 128 with quantize_layer_input).
+        hc_mult: number of residual streams, 1..8.
+        max_num_tokens: capacity; every call has 1 <= M <= capacity.
+        top_k: routes per token of `finalize` (0: no finalize).
+        device: this rank's CUDA device.
+        quantize_layer_input: also write layer_input as MXFP8 (mxfp8_out=).
+        residual_only: only new_residual (pre and norm_weight must be None).
+        group: the TP process group (default: the default group).
+        transport: "unicast" (torch symmetric memory) or "multicast" (GB200/GB300 only).
+    """
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        hc_mult: int,
+        max_num_tokens: int,
+        top_k: int = 0,
+        device=None,
+        quantize_layer_input: bool = False,
+        residual_only: bool = False,
+        group=None,
+        transport: Transport | str = Transport.UNICAST,
+    ):
+        import torch.distributed as dist
+
+        transport = make_transport(transport)
+        if transport is Transport.EMULATED:
+            raise ValueError("transport='emulated' is EmulatedAllReduceMHC (tp virtual ranks on one GPU)")
+        if not dist.is_initialized():
+            raise ValueError("AllReduceMHC needs torch.distributed initialized (or use EmulatedAllReduceMHC)")
+        group = dist.group.WORLD if group is None else group
+        device = _device(device)
+        variant = _variant(quantize_layer_input, residual_only)
+        tp = dist.get_world_size(group)
+        self._engine = _Engine(
+            hidden_size=hidden_size,
+            hc_mult=hc_mult,
+            max_num_tokens=max_num_tokens,
+            top_k=top_k,
+            tp=tp,
+            device=device,
+            variant=variant,
+            multicast=transport is Transport.MULTICAST,
+        )
+        make_endpoint = multicast_endpoint if transport is Transport.MULTICAST else unicast_endpoint
+        self._endpoint = make_endpoint(group, max_num_tokens, hidden_size, device)
+        self.rank, self.tp_size = self._endpoint.rank, tp
+
+    @property
+    def consumer_tiling(self):
+        return self._engine.consumer_spec.tiling
+
+    def __call__(self, x, residual, post, comb, pre=None, norm_weight=None, eps: float = 1e-6, *, mxfp8_out=None, out=None):
+        """x [M, H] bf16 (this rank's partial); residual [M, hc, H] bf16; post [M, hc] fp32;
+        comb [M, hc, hc] fp32; pre [M, hc] fp32; norm_weight [H] bf16.
+        Returns (new_residual [M, hc, H] bf16, layer_input [M, H] bf16 or None)."""
+        engine = self._engine
+        launch = engine.check_call(x, (residual, post, comb, pre, norm_weight), eps, mxfp8_out, out)
+        tokens = x.shape[0]
+        engine.publish(self._endpoint, launch, tokens, finalize=False)
+        engine.consume(self._endpoint, launch, float(eps), tokens)
+        return launch.results
+
+    def finalize(
+        self,
+        gemm2_permuted,
+        expert_weights,
+        expanded_idx_to_permuted_idx,
+        shared_output,
+        residual,
+        post,
+        comb,
+        pre=None,
+        norm_weight=None,
+        eps: float = 1e-6,
+        *,
+        mxfp8_out=None,
+        out=None,
+    ):
+        """Same as __call__ with the MoE output unfinalized: this rank's contribution is
+        sum_k expert_weights[:, k] * gemm2_permuted[idx[:, k]] (idx -1 skipped) + shared_output."""
+        engine = self._engine
+        mix = (residual, post, comb, pre, norm_weight)
+        launch = engine.check_finalize(gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx, shared_output, mix, eps, mxfp8_out, out)
+        tokens = shared_output.shape[0]
+        engine.publish(self._endpoint, launch, tokens, finalize=True)
+        engine.consume(self._endpoint, launch, float(eps), tokens)
+        return launch.results
+
+
+def _per_rank(value, name: str, tp: int) -> list:
+    """One tensor (the same for every virtual rank) or a sequence of tp tensors."""
+    if value is None or isinstance(value, torch.Tensor):
+        return [value] * tp
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        if len(value) != tp:
+            raise ValueError(f"{name} must hold one entry per rank ({tp}), got {len(value)}")
+        return list(value)
+    raise ValueError(f"{name} must be a tensor or a sequence of {tp} tensors, got {type(value).__name__}")
+
+
+class EmulatedAllReduceMHC:
+    """tp virtual ranks on one GPU: the same kernels as AllReduceMHC, each rank with its own
+    mailbox and generation state; rank r's publish stores into all tp mailboxes.
+
+    Per-rank arguments are sequences of tp tensors (a single tensor means the same tensor for
+    every rank, for replicated inputs). Returns a list of tp (new_residual, layer_input) pairs.
+    """
+
+    def __init__(
+        self,
+        *,
+        tp_size: int,
+        hidden_size: int,
+        hc_mult: int,
+        max_num_tokens: int,
+        top_k: int = 0,
+        device=None,
+        quantize_layer_input: bool = False,
+        residual_only: bool = False,
+    ):
+        if isinstance(tp_size, bool) or not isinstance(tp_size, int):
+            raise ValueError(f"tp_size must be an int, got {type(tp_size).__name__}")
+        device = _device(device)
+        self._engine = _Engine(
+            hidden_size=hidden_size,
+            hc_mult=hc_mult,
+            max_num_tokens=max_num_tokens,
+            top_k=top_k,
+            tp=tp_size,
+            device=device,
+            variant=_variant(quantize_layer_input, residual_only),
+            multicast=False,
+        )
+        self.endpoints = emulated_endpoints(tp_size, max_num_tokens, hidden_size, device)
+        self.tp_size = tp_size
+
+    @property
+    def consumer_tiling(self):
+        return self._engine.consumer_spec.tiling
+
+    def _mix(self, residual, post, comb, pre, norm_weight):
+        tp = self.tp_size
+        columns = [_per_rank(v, n, tp) for v, n in ((residual, "residual"), (post, "post"), (comb, "comb"), (pre, "pre"), (norm_weight, "norm_weight"))]
+        return list(zip(*columns))
+
+    def __call__(self, x, residual, post, comb, pre=None, norm_weight=None, eps: float = 1e-6, *, mxfp8_out=None, out=None):
+        tp, engine = self.tp_size, self._engine
+        xs = _per_rank(x, "x", tp)
+        tokens = check.check_tokens(xs[0], "x[0]", engine.capacity)
+        mixes = self._mix(residual, post, comb, pre, norm_weight)
+        mx, outs = _per_rank_pairs(mxfp8_out, "mxfp8_out", tp), _per_rank_pairs(out, "out", tp)
+        launches = [engine.check_call(xs[r], mixes[r], eps, mx[r], outs[r], tokens) for r in range(tp)]
+        return self._run(launches, tokens, float(eps), finalize=False)
+
+    def finalize(
+        self,
+        gemm2_permuted,
+        expert_weights,
+        expanded_idx_to_permuted_idx,
+        shared_output,
+        residual,
+        post,
+        comb,
+        pre=None,
+        norm_weight=None,
+        eps: float = 1e-6,
+        *,
+        mxfp8_out=None,
+        out=None,
+    ):
+        tp, engine = self.tp_size, self._engine
+        per_rank = [
+            _per_rank(v, n, tp)
+            for v, n in (
+                (gemm2_permuted, "gemm2_permuted"),
+                (expert_weights, "expert_weights"),
+                (expanded_idx_to_permuted_idx, "expanded_idx_to_permuted_idx"),
+                (shared_output, "shared_output"),
+            )
+        ]
+        tokens = check.check_tokens(per_rank[3][0], "shared_output[0]", engine.capacity)
+        mixes = self._mix(residual, post, comb, pre, norm_weight)
+        mx, outs = _per_rank_pairs(mxfp8_out, "mxfp8_out", tp), _per_rank_pairs(out, "out", tp)
+        launches = []
+        for r in range(tp):
+            gemm2, weights, routes, shared = (column[r] for column in per_rank)
+            if shared.shape[0] != tokens:
+                raise ValueError(f"shared_output[{r}] has {shared.shape[0]} tokens, rank 0 has {tokens}")
+            launches.append(engine.check_finalize(gemm2, weights, routes, shared, mixes[r], eps, mx[r], outs[r]))
+        return self._run(launches, tokens, float(eps), finalize=True)
+
+    def _run(self, launches, tokens, eps, finalize):
+        # All publishes, then all consumers: in stream order nothing ever waits on a kernel that
+        # has not been launched, so the virtual ranks need no co-residency.
+        for endpoint, launch in zip(self.endpoints, launches):
+            self._engine.publish(endpoint, launch, tokens, finalize)
+        for endpoint, launch in zip(self.endpoints, launches):
+            self._engine.consume(endpoint, launch, eps, tokens)
+        return [launch.results for launch in launches]
+
+    def reset(self) -> None:
+        """Re-arm all mailboxes and restart generations (only between calls, for tests)."""
+        for endpoint in self.endpoints:
+            endpoint.reset()
+
+
+def _per_rank_pairs(value, name: str, tp: int) -> list:
+    """None, or a sequence of tp pairs."""
+    if value is None:
+        return [None] * tp
+    if not isinstance(value, Sequence) or len(value) != tp:
+        raise ValueError(f"{name} must be a sequence of {tp} pairs (one per rank)")
+    return list(value)

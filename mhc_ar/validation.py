@@ -1,0 +1,55 @@
+"""Input checks at the API boundary: ValueError naming the argument and the rule, before any launch."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+ALIGNMENT = 16  # every tensor is accessed with 16-byte vectors or from 16-byte aligned rows
+
+
+def check_tensor(
+    tensor,
+    name: str,
+    *,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    alignment: int = ALIGNMENT,
+) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype != dtype:
+        raise ValueError(f"{name} must have dtype {dtype}, got {tensor.dtype}")
+    if tuple(tensor.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(tensor.shape)}")
+    if tensor.device != device:
+        raise ValueError(f"{name} must be on {device}, got {tensor.device}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (strides {tensor.stride()})")
+    if tensor.data_ptr() % alignment:
+        raise ValueError(f"{name} must be {alignment}-byte aligned (address {tensor.data_ptr():#x})")
+    return tensor
+
+
+def check_tokens(tensor, name: str, capacity: int) -> int:
+    """The token count M of a [M, ...] input: 1 <= M <= capacity."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dim() < 1:
+        raise ValueError(f"{name} must have a leading token dimension, got shape {list(tensor.shape)}")
+    tokens = tensor.shape[0]
+    if not 1 <= tokens <= capacity:
+        raise ValueError(f"{name} has {tokens} tokens; expected 1 <= M <= max_num_tokens={capacity}")
+    return tokens
+
+
+def check_eps(eps) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise ValueError(f"eps must be a float, got {type(eps).__name__}")
+    eps = float(eps)
+    if not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be finite and >= 0, got {eps}")
+    return eps
