@@ -39,27 +39,19 @@ class _Launch:
     results: tuple  # what the caller gets back
 
 
-class _Engine:
-    """Static configuration, the compiled kernels, and the per-rank validation and launch."""
+class CallValidator:
+    """Checks one rank's call against the static configuration: pure, raises ValueError naming
+    the argument, touches no device state (so a rejected call leaves everything usable)."""
 
-    def __init__(self, *, hidden_size, hc_mult, max_num_tokens, top_k, tp, device, variant, multicast):
+    def __init__(self, *, hidden_size, hc_mult, max_num_tokens, top_k, variant, device):
         for name, value in (("hidden_size", hidden_size), ("hc_mult", hc_mult), ("max_num_tokens", max_num_tokens), ("top_k", top_k)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name} must be an int, got {type(value).__name__}")
         if top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {top_k}")
-        self.hidden_size, self.hc, self.capacity, self.top_k, self.tp = hidden_size, hc_mult, max_num_tokens, top_k, tp
-        self.device = device
+        self.hidden_size, self.hc, self.capacity, self.top_k = hidden_size, hc_mult, max_num_tokens, top_k
         self.variant = variant
-        self.consumer_spec = ConsumerSpec(
-            choose_consumer_tiling(hidden_size), hc=hc_mult, tp=tp, capacity=max_num_tokens, variant=variant
-        )
-        common = dict(hidden_size=hidden_size, tp=tp, capacity=max_num_tokens, multicast=multicast)
-        self.publish_call = compile_publish(PublishSpec(contribution=Contribution.CALL, top_k=0, **common))
-        self.publish_finalize = None
-        if top_k >= 1:
-            self.publish_finalize = compile_publish(PublishSpec(contribution=Contribution.FINALIZE, top_k=top_k, **common))
-        self.consumer = compile_consumer(self.consumer_spec)
+        self.device = device
 
     # ---- validation (pure: raises ValueError, changes nothing) ------------------------------
 
@@ -69,7 +61,7 @@ class _Engine:
         return self._check_mix((x.data_ptr(), 0, 0, 0), m, mix, eps, mxfp8_out, out)
 
     def check_finalize(self, gemm2, weights, routes, shared, mix, eps, mxfp8_out, out) -> _Launch:
-        if self.publish_finalize is None:
+        if self.top_k < 1:
             raise ValueError("finalize needs an instance built with top_k >= 1")
         m = check.check_tokens(shared, "shared_output", self.capacity)
         h, k, dev = self.hidden_size, self.top_k, self.device
@@ -99,6 +91,17 @@ class _Engine:
             check.check_tensor(pre, "pre", shape=(m, hc), dtype=torch.float32, device=dev)
             check.check_tensor(norm_weight, "norm_weight", shape=(h,), dtype=torch.bfloat16, device=dev)
 
+        mx_values = mx_scales = 0
+        if self.variant is Variant.MXFP8:
+            if not isinstance(mxfp8_out, (tuple, list)) or len(mxfp8_out) != 2:
+                raise ValueError("mxfp8_out=(values, scales) is required by a quantize_layer_input instance")
+            values, scales = mxfp8_out
+            check.check_tensor(values, "mxfp8_out[0] (values)", shape=(m, h), dtype=torch.float8_e4m3fn, device=dev)
+            check.check_tensor(scales, "mxfp8_out[1] (scales)", shape=(mxfp8_scale_bytes(m, h),), dtype=torch.uint8, device=dev)
+            mx_values, mx_scales = values.data_ptr(), scales.data_ptr()
+        elif mxfp8_out is not None:
+            raise ValueError("mxfp8_out given, but this instance was built with quantize_layer_input=False")
+
         if out is None:
             new_residual = torch.empty((m, hc, h), dtype=torch.bfloat16, device=dev)
             layer_input = None if residual_only else torch.empty((m, h), dtype=torch.bfloat16, device=dev)
@@ -113,16 +116,11 @@ class _Engine:
             else:
                 check.check_tensor(layer_input, "out[1] (layer_input)", shape=(m, h), dtype=torch.bfloat16, device=dev)
 
-        mx_values = mx_scales = 0
+        consumer_inputs = {"residual": residual, "post": post, "comb": comb, "pre": pre, "norm_weight": norm_weight}
+        outputs = {"new_residual": new_residual, "layer_input": layer_input}
         if self.variant is Variant.MXFP8:
-            if not isinstance(mxfp8_out, (tuple, list)) or len(mxfp8_out) != 2:
-                raise ValueError("mxfp8_out=(values, scales) is required by a quantize_layer_input instance")
-            values, scales = mxfp8_out
-            check.check_tensor(values, "mxfp8_out[0] (values)", shape=(m, h), dtype=torch.float8_e4m3fn, device=dev)
-            check.check_tensor(scales, "mxfp8_out[1] (scales)", shape=(mxfp8_scale_bytes(m, h),), dtype=torch.uint8, device=dev)
-            mx_values, mx_scales = values.data_ptr(), scales.data_ptr()
-        elif mxfp8_out is not None:
-            raise ValueError("mxfp8_out given, but this instance was built with quantize_layer_input=False")
+            outputs.update({"mxfp8 values": mxfp8_out[0], "mxfp8 scales": mxfp8_out[1]})
+        check.check_no_overlap(outputs, consumer_inputs)
 
         pre_address = 0 if pre is None else pre.data_ptr()
         weight_address = 0 if norm_weight is None else norm_weight.data_ptr()
@@ -134,7 +132,25 @@ class _Engine:
             (new_residual, layer_input),
         )
 
-    # ---- launches -----------------------------------------------------------------------------
+
+
+class _Engine:
+    """The compiled kernels of one configuration and their launches."""
+
+    def __init__(self, *, hidden_size, hc_mult, max_num_tokens, top_k, tp, device, variant, multicast):
+        self.validator = CallValidator(
+            hidden_size=hidden_size, hc_mult=hc_mult, max_num_tokens=max_num_tokens, top_k=top_k, variant=variant, device=device
+        )
+        self.capacity = max_num_tokens
+        self.consumer_spec = ConsumerSpec(
+            choose_consumer_tiling(hidden_size), hc=hc_mult, tp=tp, capacity=max_num_tokens, variant=variant
+        )
+        common = dict(hidden_size=hidden_size, tp=tp, capacity=max_num_tokens, multicast=multicast)
+        self.publish_call = compile_publish(PublishSpec(contribution=Contribution.CALL, top_k=0, **common))
+        self.publish_finalize = None
+        if top_k >= 1:
+            self.publish_finalize = compile_publish(PublishSpec(contribution=Contribution.FINALIZE, top_k=top_k, **common))
+        self.consumer = compile_consumer(self.consumer_spec)
 
     def publish(self, endpoint: RankEndpoint, launch: _Launch, tokens: int, finalize: bool) -> None:
         kernel = self.publish_finalize if finalize else self.publish_call
@@ -248,7 +264,7 @@ class AllReduceMHC:
         comb [M, hc, hc] fp32; pre [M, hc] fp32; norm_weight [H] bf16.
         Returns (new_residual [M, hc, H] bf16, layer_input [M, H] bf16 or None)."""
         engine = self._engine
-        launch = engine.check_call(x, (residual, post, comb, pre, norm_weight), eps, mxfp8_out, out)
+        launch = engine.validator.check_call(x, (residual, post, comb, pre, norm_weight), eps, mxfp8_out, out)
         tokens = x.shape[0]
         engine.publish(self._endpoint, launch, tokens, finalize=False)
         engine.consume(self._endpoint, launch, float(eps), tokens)
@@ -274,7 +290,7 @@ class AllReduceMHC:
         sum_k expert_weights[:, k] * gemm2_permuted[idx[:, k]] (idx -1 skipped) + shared_output."""
         engine = self._engine
         mix = (residual, post, comb, pre, norm_weight)
-        launch = engine.check_finalize(gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx, shared_output, mix, eps, mxfp8_out, out)
+        launch = engine.validator.check_finalize(gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx, shared_output, mix, eps, mxfp8_out, out)
         tokens = shared_output.shape[0]
         engine.publish(self._endpoint, launch, tokens, finalize=True)
         engine.consume(self._endpoint, launch, float(eps), tokens)
@@ -343,7 +359,7 @@ class EmulatedAllReduceMHC:
         tokens = check.check_tokens(xs[0], "x[0]", engine.capacity)
         mixes = self._mix(residual, post, comb, pre, norm_weight)
         mx, outs = _per_rank_pairs(mxfp8_out, "mxfp8_out", tp), _per_rank_pairs(out, "out", tp)
-        launches = [engine.check_call(xs[r], mixes[r], eps, mx[r], outs[r], tokens) for r in range(tp)]
+        launches = [engine.validator.check_call(xs[r], mixes[r], eps, mx[r], outs[r], tokens) for r in range(tp)]
         return self._run(launches, tokens, float(eps), finalize=False)
 
     def finalize(
@@ -380,7 +396,7 @@ class EmulatedAllReduceMHC:
             gemm2, weights, routes, shared = (column[r] for column in per_rank)
             if shared.shape[0] != tokens:
                 raise ValueError(f"shared_output[{r}] has {shared.shape[0]} tokens, rank 0 has {tokens}")
-            launches.append(engine.check_finalize(gemm2, weights, routes, shared, mixes[r], eps, mx[r], outs[r]))
+            launches.append(engine.validator.check_finalize(gemm2, weights, routes, shared, mixes[r], eps, mx[r], outs[r]))
         return self._run(launches, tokens, float(eps), finalize=True)
 
     def _run(self, launches, tokens, eps, finalize):

@@ -53,3 +53,23 @@ def check_eps(eps) -> float:
     if not math.isfinite(eps) or eps < 0:
         raise ValueError(f"eps must be finite and >= 0, got {eps}")
     return eps
+
+
+def _byte_range(tensor: torch.Tensor) -> tuple[int, int]:
+    start = tensor.data_ptr()
+    return start, start + tensor.numel() * tensor.element_size()
+
+
+def check_no_overlap(outputs: dict, inputs: dict) -> None:
+    """Outputs must not share memory with the consumer's inputs (other threads of the kernel still
+    read an input row while one thread writes its output)."""
+    for out_name, out in outputs.items():
+        if out is None:
+            continue
+        o_start, o_end = _byte_range(out)
+        for in_name, tensor in inputs.items():
+            if tensor is None:
+                continue
+            i_start, i_end = _byte_range(tensor)
+            if o_start < i_end and i_start < o_end:
+                raise ValueError(f"{out_name} overlaps {in_name}: outputs must not alias inputs")
