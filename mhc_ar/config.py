@@ -29,6 +29,9 @@ VECTORS_PER_MXFP8_BLOCK = MXFP8_BLOCK // VECTOR_ELEMS
 TARGET_VECTORS_PER_CTA = 128
 CONSUMER_MAX_THREADS = 256
 PUBLISH_THREADS = 128
+# A consumer that has waited this long for a peer's data traps (a CUDA launch error on that
+# rank) instead of spinning forever; healthy calls wait microseconds.
+SPIN_TIMEOUT_NS = 10_000_000_000
 
 
 class Variant(str, enum.Enum):

@@ -148,6 +148,23 @@ def words_hold_sentinel(w0: Uint32, w1: Uint32, w2: Uint32, w3: Uint32, *, loc=N
     return flag != Uint32(0)
 
 
+@dsl_user_op
+def spin_deadline(deadline: Int64, timeout_ns: int, *, loc=None, ip=None) -> Int64:
+    """Called once per spin iteration: the first call (deadline 0) sets now + timeout_ns; a call
+    after the deadline executes `trap`, so a peer that never publishes fails the launch with a
+    CUDA error instead of hanging the GPU forever."""
+    ptx = (
+        "{\n\t.reg .u64 now;\n\t.reg .pred first, late;\n\t"
+        "mov.u64 now, %globaltimer;\n\t"
+        "setp.eq.u64 first, $1, 0;\n\t"
+        f"@first add.u64 $0, now, {int(timeout_ns)};\n\t"
+        "@!first mov.u64 $0, $1;\n\t"
+        "setp.gt.u64 late, now, $0;\n\t"
+        "@late trap;\n\t}"
+    )
+    return Int64(_asm(T.i64(), _ir([Int64(deadline)], loc, ip), ptx, "=l,l", side_effects=True, loc=loc, ip=ip))
+
+
 # --------------------------------------------------------------------------------------------
 # Global memory, 16 bytes at a time. An optional predicate (a DSL Boolean) turns an access off
 # for threads that own no vector (a predicated-off load yields zeros, which hold no sentinel).

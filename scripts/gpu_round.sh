@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One GPU round on a device machine, every step logged under $OUT (default /tmp/mhc_out):
+#   bash scripts/gpu_round.sh [smoke] [rsqrt] [tests] [conformance] [bench] ...
+# Each step runs under `timeout`, so a hung kernel costs minutes, not the whole lease.
+set -u
+export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/mhc_out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(smoke rsqrt tests conformance bench)
+status=0
+run() {  # name, timeout seconds, command...
+    local name=$1 limit=$2; shift 2
+    echo "=== $name ($(date +%T))"
+    local start=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "=== $name rc=$rc in $((SECONDS - start)) s"
+    tail -n 25 "$OUT/$name.log"
+    [ $rc -ne 0 ] && status=1
+    return 0
+}
+nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
+for step in "${steps[@]}"; do
+    case $step in
+        smoke) run smoke 120 $PY scripts/smoke.py ;;
+        rsqrt) run rsqrt 180 $PY -m conformance.rsqrt_measure --out "$OUT/rsqrt_delta_sm90.i8.zlib" \
+                   --compare reference/data/rsqrt_delta_sm90.i8.zlib \
+                   --compare tests/data/rsqrt_delta_h200_independent.i8.zlib ;;
+        tests) run tests 540 $PY -m pytest -q -x -p no:cacheprovider -m gpu tests ;;
+        tests-all) run tests-all 540 $PY -m pytest -q -p no:cacheprovider -m gpu tests ;;
+        conformance) run conformance 420 $PY -m conformance run --out "$OUT/reports" ;;
+        conformance-quick) run conformance-quick 300 $PY -m conformance run --quick --out "$OUT/reports" ;;
+        bench) run bench 420 $PY -m conformance bench --out "$OUT/bench" ;;
+        *) echo "unknown step $step"; status=1 ;;
+    esac
+done
+exit $status
