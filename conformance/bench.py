@@ -1,0 +1,392 @@
+"""`python -m conformance bench`: the fused path against the unfused PyTorch chain, on one GPU.
+
+Everything a ratio compares is measured in the same run, the same way: each side is captured in
+a CUDA graph of CALLS_PER_GRAPH calls (cycling through enough input sets that one graph replay
+touches more memory than L2 holds when the problem is large), the graph is replayed REPEATS
+times between CUDA events, and the per-call median is reported. Also measured in the same run:
+device copy bandwidth (a graph-captured 1 GiB copy, bytes read + written), the publish kernel
+alone (so consumer time = fused - publish), the consumer per rank at emulated TP sizes, and the
+eager per-call latency of the Python API (host overhead: validation + two TVM-FFI launches).
+
+The unfused chain is what the fusion replaces: rank sum to bf16, post-mix, collapse, RMSNorm in
+straightforward PyTorch, plus FlashInfer's cute-dsl mxfp8_quantize for the MXFP8 variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+CALLS_PER_GRAPH = 20
+REPEATS = 15
+L2_SPILL_BYTES = 256 << 20  # cycle input sets until one replay touches this much memory
+MAX_INPUT_SETS = 8
+M_SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+H_SWEEP = (4096, 5120, 7168)
+TP_SWEEP = (2, 4, 8)
+TP_M_SWEEP = (1, 16, 128, 1024)
+
+
+def graph_time_us(calls, *, calls_per_graph: int = CALLS_PER_GRAPH, repeats: int = REPEATS) -> float:
+    """Median time per call (us) of `calls[i % len(calls)]()` captured calls_per_graph times."""
+    for call in calls:  # warm-up: compilation, allocator, lazy init outside the capture
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls_per_graph):
+            calls[i % len(calls)]()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1000.0 / calls_per_graph)
+    del graph
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
+    """Device copy bandwidth, bytes read + written per second (GB/s), graph-captured."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    us = graph_time_us([lambda: dst.copy_(src)], calls_per_graph=5, repeats=15)
+    return 2 * nbytes / (us * 1e-6) / 1e9
+
+
+# ---------------------------------------------------------------------------------------------
+# The two sides
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Inputs:
+    xs: list  # per rank [M, H] bf16
+    residual: torch.Tensor
+    post: torch.Tensor
+    comb: torch.Tensor
+    pre: torch.Tensor
+    norm_weight: torch.Tensor
+    eps: float = 1e-6
+
+
+def make_inputs(tp: int, m: int, hidden: int, hc: int, seed: int) -> Inputs:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def normal(*shape):
+        return torch.randn(*shape, generator=g, device="cuda").to(torch.bfloat16)
+
+    return Inputs(
+        xs=[normal(m, hidden) for _ in range(tp)],
+        residual=normal(m, hc, hidden),
+        post=torch.rand(m, hc, generator=g, device="cuda") + 0.5,
+        comb=torch.rand(m, hc, hc, generator=g, device="cuda") / hc,
+        pre=(torch.rand(m, hc, generator=g, device="cuda") + 0.5) / hc,
+        norm_weight=(1 + 0.1 * torch.randn(hidden, generator=g, device="cuda")).to(torch.bfloat16),
+    )
+
+
+def unfused_chain(inputs: Inputs, mxfp8: bool):
+    """The straightforward PyTorch chain computing the same outputs (not bit-exact: a baseline)."""
+    from flashinfer import mxfp8_quantize
+
+    def call():
+        total = inputs.xs[0].float()
+        for x in inputs.xs[1:]:
+            total = total + x.float()
+        y = total.to(torch.bfloat16).float()
+        mixed = y[:, None, :] * inputs.post[:, :, None] + torch.einsum("msh,mst->mth", inputs.residual.float(), inputs.comb)
+        new_residual = mixed.to(torch.bfloat16)
+        p = (new_residual.float() * inputs.pre[:, :, None]).sum(dim=1).to(torch.bfloat16).float()
+        inv = torch.rsqrt(p.pow(2).mean(dim=-1, keepdim=True) + inputs.eps)
+        layer_input = (p * inv * inputs.norm_weight.float()).to(torch.bfloat16)
+        if mxfp8:
+            mxfp8_quantize(layer_input, True, backend="cute-dsl")
+        return new_residual, layer_input
+
+    return call
+
+
+class FusedSide:
+    """An EmulatedAllReduceMHC with preallocated outputs, and its launches split for timing."""
+
+    def __init__(self, op, inputs: Inputs, mxfp8: bool):
+        from mhc_ar import mxfp8_scale_bytes
+
+        self.op, self.inputs = op, inputs
+        m, hc, hidden = inputs.residual.shape
+        tp = op.tp_size
+        self.out = [
+            (torch.empty(m, hc, hidden, dtype=torch.bfloat16, device="cuda"), torch.empty(m, hidden, dtype=torch.bfloat16, device="cuda"))
+            for _ in range(tp)
+        ]
+        self.mx = None
+        if mxfp8:
+            self.mx = [
+                (torch.empty(m, hidden, dtype=torch.float8_e4m3fn, device="cuda"), torch.empty(mxfp8_scale_bytes(m, hidden), dtype=torch.uint8, device="cuda"))
+                for _ in range(tp)
+            ]
+        i = inputs
+        self.launches = [
+            op._engine.validator.check_call(i.xs[r], (i.residual, i.post, i.comb, i.pre, i.norm_weight), i.eps, None if self.mx is None else self.mx[r], self.out[r])
+            for r in range(tp)
+        ]
+        self.tokens = m
+
+    def call(self):
+        i = self.inputs
+        self.op(i.xs, i.residual, i.post, i.comb, i.pre, i.norm_weight, i.eps, out=self.out, mxfp8_out=self.mx)
+
+    def publish_only(self):
+        for endpoint, launch in zip(self.op.endpoints, self.launches):
+            self.op._engine.publish(endpoint, launch, self.tokens, finalize=False)
+
+
+def consumer_bytes(tp: int, m: int, hidden: int, hc: int, mxfp8: bool) -> int:
+    """The fewest bytes one rank's consumer must move: mailbox read + re-arm, residual in and
+    out, layer_input out (+ MXFP8 values and scales)."""
+    moved = 2 * tp * m * hidden * 2 + 2 * m * hc * hidden * 2 + m * hidden * 2
+    if mxfp8:
+        moved += m * hidden + m * hidden // 32
+    return moved
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    hidden: int
+    m: int
+    tp: int
+    fused_us: float
+    fused_mxfp8_us: float | None = None
+    publish_us: float | None = None
+    unfused_us: float | None = None
+    unfused_mxfp8_us: float | None = None
+    full_plus_quant_us: float | None = None
+    consumer_bytes: int = 0
+    consumer_gbs: float | None = None
+
+
+@dataclass
+class BenchResult:
+    device: str
+    copy_gbs: float
+    rows: list[Row] = field(default_factory=list)
+    tp_rows: list[Row] = field(default_factory=list)
+    eager_us: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def _input_sets(tp, m, hidden, hc, seed):
+    per_call = consumer_bytes(tp, m, hidden, hc, False) + tp * m * hidden * 2
+    count = max(1, min(MAX_INPUT_SETS, math.ceil(L2_SPILL_BYTES / per_call)))
+    return [make_inputs(tp, m, hidden, hc, seed + s) for s in range(count)]
+
+
+def measure_tp1(hidden: int, hc: int, ms, ops) -> list[Row]:
+    from flashinfer import mxfp8_quantize
+
+    rows = []
+    for m in ms:
+        sets = _input_sets(1, m, hidden, hc, seed=m)
+        full = [FusedSide(ops["full"], s, mxfp8=False) for s in sets]
+        quant = [FusedSide(ops["mxfp8"], s, mxfp8=True) for s in sets]
+        row = Row(hidden=hidden, m=m, tp=1, fused_us=graph_time_us([f.call for f in full]))
+        row.fused_mxfp8_us = graph_time_us([f.call for f in quant])
+        row.publish_us = graph_time_us([f.publish_only for f in full])
+        row.unfused_us = graph_time_us([unfused_chain(s, mxfp8=False) for s in sets])
+        row.unfused_mxfp8_us = graph_time_us([unfused_chain(s, mxfp8=True) for s in sets])
+
+        def full_then_quantize(side):
+            side.call()
+            mxfp8_quantize(side.out[0][1], True, backend="cute-dsl")
+
+        row.full_plus_quant_us = graph_time_us([lambda side=side: full_then_quantize(side) for side in full])
+        row.consumer_bytes = consumer_bytes(1, m, hidden, hc, False)
+        consumer_us = row.fused_us - row.publish_us
+        row.consumer_gbs = row.consumer_bytes / (consumer_us * 1e-6) / 1e9 if consumer_us > 0 else None
+        rows.append(row)
+        print(_format_row(row), flush=True)
+    return rows
+
+
+def measure_tp(tp: int, hidden: int, hc: int, ms) -> list[Row]:
+    from mhc_ar import EmulatedAllReduceMHC
+
+    op = EmulatedAllReduceMHC(tp_size=tp, hidden_size=hidden, hc_mult=hc, max_num_tokens=max(ms))
+    rows = []
+    for m in ms:
+        sets = _input_sets(tp, m, hidden, hc, seed=tp * 10_000 + m)
+        sides = [FusedSide(op, s, mxfp8=False) for s in sets]
+        fused = graph_time_us([s.call for s in sides])
+        publish = graph_time_us([s.publish_only for s in sides])
+        row = Row(hidden=hidden, m=m, tp=tp, fused_us=fused, publish_us=publish)
+        # All tp publishes, then all tp consumers: one rank's consumer is the difference / tp.
+        per_rank = (fused - publish) / tp
+        row.consumer_bytes = consumer_bytes(tp, m, hidden, hc, False)
+        row.consumer_gbs = row.consumer_bytes / (per_rank * 1e-6) / 1e9 if per_rank > 0 else None
+        rows.append(row)
+        print(f"tp{tp} H{hidden} M{m}: all ranks {fused:.2f} us, publishes {publish:.2f} us, consumer/rank {per_rank:.2f} us", flush=True)
+    del op
+    return rows
+
+
+def eager_latency_us(op, inputs: Inputs, calls: int = 2000) -> float:
+    """Wall time per eager __call__ (host-bound at M=1: Python validation + two launches)."""
+    i = inputs
+    for _ in range(50):
+        op(i.xs, i.residual, i.post, i.comb, i.pre, i.norm_weight, i.eps)
+    torch.cuda.synchronize()
+    batches = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls // 5):
+            op(i.xs, i.residual, i.post, i.comb, i.pre, i.norm_weight, i.eps)
+        torch.cuda.synchronize()
+        batches.append((time.perf_counter() - start) * 1e6 / (calls // 5))
+    return statistics.median(batches)
+
+
+def _format_row(row: Row) -> str:
+    def f(v):
+        return "-" if v is None else f"{v:.2f}"
+
+    ratio = row.unfused_us / row.fused_us if row.unfused_us else float("nan")
+    return (
+        f"H{row.hidden} M{row.m}: fused {f(row.fused_us)} us, mxfp8 {f(row.fused_mxfp8_us)} us, publish {f(row.publish_us)} us, "
+        f"unfused {f(row.unfused_us)} us (x{ratio:.1f}), unfused+quant {f(row.unfused_mxfp8_us)} us, "
+        f"full+quant {f(row.full_plus_quant_us)} us, consumer {f(row.consumer_gbs)} GB/s"
+    )
+
+
+def run(hiddens=H_SWEEP, ms=M_SWEEP, hc: int = 4, tps=TP_SWEEP, tp_ms=TP_M_SWEEP) -> BenchResult:
+    from mhc_ar import EmulatedAllReduceMHC
+
+    start = time.time()
+    result = BenchResult(device=torch.cuda.get_device_name(), copy_gbs=copy_bandwidth_gbs())
+    print(f"device copy bandwidth: {result.copy_gbs:.0f} GB/s (read + write)", flush=True)
+    capacity = max(ms)
+    for hidden in hiddens:
+        ops = {
+            "full": EmulatedAllReduceMHC(tp_size=1, hidden_size=hidden, hc_mult=hc, max_num_tokens=capacity),
+            "mxfp8": EmulatedAllReduceMHC(tp_size=1, hidden_size=hidden, hc_mult=hc, max_num_tokens=capacity, quantize_layer_input=True),
+        }
+        result.rows += measure_tp1(hidden, hc, ms, ops)
+        if hidden == 5120:
+            for m in (1, 16, 128):
+                result.eager_us[str(m)] = eager_latency_us(ops["full"], make_inputs(1, m, hidden, hc, seed=1))
+                print(f"eager __call__ H{hidden} M{m}: {result.eager_us[str(m)]:.2f} us per call", flush=True)
+        del ops
+    for tp in tps:
+        result.tp_rows += measure_tp(tp, 5120, hc, tp_ms)
+    result.seconds = time.time() - start
+    return result
+
+
+def targets(result: BenchResult) -> list[tuple[str, bool | None, str]]:
+    """The issue's targets, each (name, met?, measured figures)."""
+    checks = []
+    small = [r for r in result.rows if r.hidden == 5120 and r.m <= 16]
+    if small:
+        worst = max(r.fused_us for r in small)
+        ratio = min(r.unfused_us / r.fused_us for r in small)
+        checks.append(("M<=16, H=5120: fused <= 8 us", worst <= 8.0, f"max {worst:.2f} us"))
+        checks.append(("M<=16, H=5120: >= 4x unfused", ratio >= 4.0, f"min x{ratio:.1f}"))
+    big = [r for r in result.rows if r.m == 1024]
+    if big:
+        ratio = min(r.unfused_us / r.fused_us for r in big)
+        frac = min((r.consumer_gbs or 0) / result.copy_gbs for r in big)
+        checks.append(("M=1024: >= 10x unfused", ratio >= 10.0, f"min x{ratio:.1f}"))
+        checks.append(("M=1024: consumer >= 75% of copy bandwidth", frac >= 0.75, f"min {100 * frac:.0f}%"))
+    if result.rows:
+        over = max(r.fused_mxfp8_us / r.fused_us - 1 for r in result.rows)
+        beats = all(r.fused_mxfp8_us < r.full_plus_quant_us for r in result.rows)
+        checks.append(("MXFP8 variant <= 10% over full", over <= 0.10, f"max +{100 * over:.0f}%"))
+        checks.append(("MXFP8 variant beats full + separate quantize", beats, "all rows" if beats else "not all rows"))
+    if "1" in result.eager_us:
+        checks.append(("eager call overhead < 20 us at M=1", result.eager_us["1"] < 20.0, f"{result.eager_us['1']:.2f} us"))
+    return checks
+
+
+def write_report(result: BenchResult, out: Path) -> None:
+    from .plots import line_plot_svg
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(asdict(result) | {"targets": targets(result)}, indent=1))
+    series = {}
+    for r in result.rows:
+        series.setdefault(f"fused H{r.hidden}", []).append((r.m, r.fused_us))
+        series.setdefault(f"unfused H{r.hidden}", []).append((r.m, r.unfused_us))
+    svg = line_plot_svg(series, x_label="M (tokens)", y_label="us per call", log_x=True, log_y=True)
+    rows = "".join(
+        f"<tr><td>{r.hidden}</td><td>{r.m}</td><td>{r.fused_us:.2f}</td><td>{r.fused_mxfp8_us:.2f}</td><td>{r.publish_us:.2f}</td>"
+        f"<td>{r.unfused_us:.2f}</td><td>{r.unfused_mxfp8_us:.2f}</td><td>{r.full_plus_quant_us:.2f}</td>"
+        f"<td>{r.unfused_us / r.fused_us:.1f}</td><td>{'' if r.consumer_gbs is None else f'{r.consumer_gbs:.0f}'}</td></tr>"
+        for r in result.rows
+    )
+    tp_rows = "".join(
+        f"<tr><td>{r.tp}</td><td>{r.m}</td><td>{r.fused_us:.2f}</td><td>{r.publish_us:.2f}</td>"
+        f"<td>{(r.fused_us - r.publish_us) / r.tp:.2f}</td><td>{'' if r.consumer_gbs is None else f'{r.consumer_gbs:.0f}'}</td></tr>"
+        for r in result.tp_rows
+    )
+    target_rows = "".join(
+        f"<tr class='{'pass' if ok else 'fail'}'><td>{name}</td><td>{'met' if ok else 'missed'}</td><td>{figure}</td></tr>"
+        for name, ok, figure in targets(result)
+    )
+    html = f"""<!doctype html><html><head><meta charset="utf-8"><title>mhc-ar bench</title>
+<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:2px 6px;text-align:right}}
+tr.pass td{{background:#dfd}}tr.fail td{{background:#fdd}}</style></head><body>
+<h1>mhc-ar benchmark</h1><p>{result.device}; device copy bandwidth {result.copy_gbs:.0f} GB/s (read + write, graph-captured 1 GiB copy);
+every time is the median per call of {REPEATS} replays of a CUDA graph of {CALLS_PER_GRAPH} calls; total {result.seconds:.0f} s.</p>
+<h2>Targets</h2><table><tr><th>target</th><th>result</th><th>measured</th></tr>{target_rows}</table>
+<h2>Latency vs M (TP=1, hc=4)</h2>{svg}
+<table><tr><th>H</th><th>M</th><th>fused us</th><th>fused MXFP8 us</th><th>publish us</th><th>unfused us</th><th>unfused+quant us</th>
+<th>fused full + quantize us</th><th>speed-up</th><th>consumer GB/s</th></tr>{rows}</table>
+<h2>Emulated TP, H=5120, hc=4 (consumer per rank = (all - publishes) / tp)</h2>
+<table><tr><th>tp</th><th>M</th><th>all ranks us</th><th>publishes us</th><th>consumer/rank us</th><th>consumer GB/s</th></tr>{tp_rows}</table>
+<h2>Eager __call__ latency (H=5120, hc=4, TP=1, host wall time per call)</h2>
+<p>{", ".join(f"M={m}: {us:.2f} us" for m, us in result.eager_us.items())}</p></body></html>"""
+    (out / "bench.html").write_text(html)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m conformance bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None, help="report folder (default reports/bench-<time>)")
+    parser.add_argument("--hidden", default=",".join(map(str, H_SWEEP)))
+    parser.add_argument("--m", default=",".join(map(str, M_SWEEP)))
+    parser.add_argument("--tp", default=",".join(map(str, TP_SWEEP)), help="emulated TP sizes for the consumer sweep ('' for none)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from mhc_ar.transport import disable_multicast_env
+
+    disable_multicast_env()
+    ints = lambda text: tuple(int(v) for v in text.split(",") if v)  # noqa: E731
+    result = run(hiddens=ints(args.hidden), ms=ints(args.m), tps=ints(args.tp))
+    out = Path(args.out) if args.out else Path("reports") / time.strftime("bench-%Y%m%d-%H%M%S")
+    write_report(result, out)
+    print(f"\nbench: {len(result.rows)} TP=1 rows, {len(result.tp_rows)} TP rows in {result.seconds:.0f} s -> {out}/bench.html")
+    for name, ok, figure in targets(result):
+        print(f"  [{'met' if ok else 'MISSED'}] {name}: {figure}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

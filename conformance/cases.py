@@ -1,0 +1,333 @@
+"""The case matrix is data: named cases with readable ids and seeds derived from those ids.
+
+A `Case` is one call of the fused operation on the emulated TP group: its shape (tp, hidden,
+hc, M), its kind (`op`: a plain call or a MoE finalize), what the consumer writes (`variant`)
+and how its inputs are drawn (`family`, see conformance.inputs). The id names all of them,
+e.g. ``tp4-H5120-hc4-M129-finalize-mxfp8-normal``, and the seed is a hash of the id, so any
+case re-runs alone (`python -m conformance run --case ID`).
+
+Presets:
+* ``full``: TP x H x hc x M x op x variant (3456 cases), each with one input family assigned
+  from its shape so that every family appears with every value of every axis;
+* ``default``: every TP x H x hc x op x variant combination with four M values, one from each
+  quarter of the M list, cycling (1152 cases);
+* ``quick``: every TP x op x variant combination at a small and a real hidden size, hc and M
+  cycling (48 cases), for CI minutes.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import itertools
+import re
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+from mhc_ar.config import Contribution, Variant
+
+TP_SIZES = (1, 2, 4, 8)
+HIDDEN_SIZES = (4096, 5120, 7168)
+HC_VALUES = (1, 2, 4, 8)
+# Token counts around the kernel's edges: tiny M, one short of / at / one past the 128-row
+# MXFP8 scale tile, and the capacity itself.
+TOKEN_COUNTS = (1, 2, 3, 5, 8, 16, 31, 64, 127, 128, 129, 256)
+CAPACITY = 256
+FINALIZE_TOP_K = 8
+# The quick preset adds a small hidden size (one CTA, 16 vectors) so a CI run stays short.
+QUICK_HIDDEN_SIZES = (128, 4096)
+# The default preset gives each combination this many M values, one from each stretch of
+# TOKEN_COUNTS (len(TOKEN_COUNTS) / DEFAULT_M_PER_COMBINATION apart).
+DEFAULT_M_PER_COMBINATION = 4
+
+OPS = tuple(Contribution)
+VARIANTS = tuple(Variant)
+
+
+class Family(str, enum.Enum):
+    """How a case's inputs are drawn (conformance.inputs builds them)."""
+
+    NORMAL = "normal"  # N(0,1) activations, positive mix coefficients
+    WIDE_RANGE = "wide_range"  # magnitudes 2^-60 .. 2^60
+    SIGNED_ZEROS = "signed_zeros"  # many exact +-0.0, whole ranks of -0.0 (the sentinel value)
+    NAN_INF = "nan_inf"  # NaN (several payloads) and +-Inf sprinkled in
+    ORDER_SENSITIVE = "order_sensitive"  # 2^24, 1, -2^24: any change of summation order shows
+    TINY = "tiny"  # subnormal fp32 intermediates, MXFP8 block amax near 2^-118
+
+
+FAMILIES = tuple(Family)
+
+
+class Preset(str, enum.Enum):
+    QUICK = "quick"
+    DEFAULT = "default"
+    FULL = "full"
+
+
+_ID_PATTERN = re.compile(
+    r"^tp(?P<tp>\d+)-H(?P<hidden>\d+)-hc(?P<hc>\d+)-M(?P<m>\d+)-(?P<op>[a-z_]+)-(?P<variant>[a-z0-9_]+)"
+    r"-(?P<family>[a-z_]+)(?:-cap(?P<capacity>\d+))?$"
+)
+_SEED_MODULUS = 2**63
+
+
+@dataclass(frozen=True)
+class Case:
+    """One call of the operation on an emulated TP group of `tp` ranks.
+
+    top_k is FINALIZE_TOP_K for finalize and 0 for a plain call unless given; capacity is the
+    instance's max_num_tokens (M <= capacity). seed_offset shifts the id-derived seed.
+    """
+
+    tp: int
+    hidden: int
+    hc: int
+    m: int
+    op: Contribution
+    variant: Variant
+    family: Family
+    top_k: int = -1  # -1: FINALIZE_TOP_K for finalize, 0 for call
+    capacity: int = CAPACITY
+    seed_offset: int = field(default=0, compare=True)
+
+    def __post_init__(self):
+        object.__setattr__(self, "op", Contribution(self.op))
+        object.__setattr__(self, "variant", Variant(self.variant))
+        object.__setattr__(self, "family", Family(self.family))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", FINALIZE_TOP_K if self.op is Contribution.FINALIZE else 0)
+        for name in ("tp", "hidden", "hc", "m", "top_k", "capacity", "seed_offset"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an int, got {value!r}")
+        if not 1 <= self.tp <= 8:
+            raise ValueError(f"tp must be in 1..8, got {self.tp}")
+        if self.hidden <= 0 or self.hidden % 8:
+            raise ValueError(f"hidden must be a positive multiple of 8, got {self.hidden}")
+        if self.variant is Variant.MXFP8 and self.hidden % 128:
+            raise ValueError(f"the mxfp8 variant needs hidden % 128 == 0, got {self.hidden}")
+        if not 1 <= self.hc <= 8:
+            raise ValueError(f"hc must be in 1..8, got {self.hc}")
+        if not 1 <= self.m <= self.capacity:
+            raise ValueError(f"m must be in 1..capacity={self.capacity}, got {self.m}")
+        if self.op is Contribution.FINALIZE and self.top_k < 1:
+            raise ValueError(f"a finalize case needs top_k >= 1, got {self.top_k}")
+        if self.op is Contribution.CALL and self.top_k != 0:
+            raise ValueError(f"a call case has top_k 0, got {self.top_k}")
+
+    @property
+    def id(self) -> str:
+        text = f"tp{self.tp}-H{self.hidden}-hc{self.hc}-M{self.m}-{self.op.value}-{self.variant.value}-{self.family.value}"
+        if self.capacity != CAPACITY:
+            text += f"-cap{self.capacity}"
+        return text
+
+    @property
+    def seed(self) -> int:
+        """sha256 of the id (first 8 bytes, big-endian) plus seed_offset, modulo 2^63."""
+        digest = hashlib.sha256(self.id.encode()).digest()
+        return (int.from_bytes(digest[:8], "big") + self.seed_offset) % _SEED_MODULUS
+
+    @property
+    def instance_key(self) -> tuple:
+        """What an EmulatedAllReduceMHC instance is built from: cases sharing it share one."""
+        return (self.tp, self.hidden, self.hc, self.capacity, self.top_k, self.variant)
+
+    @property
+    def repro_command(self) -> str:
+        command = f"python -m conformance run --case {self.id}"
+        if self.seed_offset:
+            command += f" --seed-offset {self.seed_offset}"
+        return command
+
+    def to_dict(self) -> dict:
+        return {
+            "id": self.id,
+            "tp": self.tp,
+            "hidden": self.hidden,
+            "hc": self.hc,
+            "m": self.m,
+            "op": self.op.value,
+            "variant": self.variant.value,
+            "family": self.family.value,
+            "top_k": self.top_k,
+            "capacity": self.capacity,
+            "seed_offset": self.seed_offset,
+            "seed": self.seed,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Case":
+        """Inverse of to_dict; raises ValueError if the fields are missing, invalid or disagree
+        with the recorded id/seed."""
+        if not isinstance(data, dict):
+            raise ValueError(f"case must be a JSON object, got {type(data).__name__}")
+        names = ("tp", "hidden", "hc", "m", "op", "variant", "family", "top_k", "capacity", "seed_offset")
+        missing = [n for n in names if n not in data]
+        if missing:
+            raise ValueError(f"case is missing {', '.join(missing)}")
+        try:
+            case = cls(**{n: data[n] for n in names})
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"invalid case: {error}") from None
+        if "id" in data and data["id"] != case.id:
+            raise ValueError(f"case id {data['id']!r} does not match its fields ({case.id})")
+        if "seed" in data and data["seed"] != case.seed:
+            raise ValueError(f"case seed {data['seed']!r} does not match its id (expected {case.seed})")
+        return case
+
+    @classmethod
+    def from_id(cls, case_id: str, seed_offset: int = 0) -> "Case":
+        match = _ID_PATTERN.match(case_id.strip())
+        if not match:
+            raise ValueError(
+                f"not a case id: {case_id!r} (expected e.g. tp4-H5120-hc4-M129-finalize-mxfp8-normal)"
+            )
+        g = match.groupdict()
+        try:
+            return cls(
+                tp=int(g["tp"]),
+                hidden=int(g["hidden"]),
+                hc=int(g["hc"]),
+                m=int(g["m"]),
+                op=Contribution(g["op"]),
+                variant=Variant(g["variant"]),
+                family=Family(g["family"]),
+                capacity=int(g["capacity"]) if g["capacity"] else CAPACITY,
+                seed_offset=seed_offset,
+            )
+        except ValueError as error:
+            raise ValueError(f"case id {case_id!r}: {error}") from None
+
+
+# ----- presets ----------------------------------------------------------------------------------
+
+
+def _position(value, axis: Sequence) -> int:
+    """Index of value on its axis; values outside the matrix (e.g. H=128) get a stable index."""
+    return axis.index(value) if value in axis else len(axis) + int(value)
+
+
+def assigned_family(tp: int, hidden: int, hc: int, m: int, op: Contribution, variant: Variant) -> Family:
+    """The input family of a shape: the axis positions summed, modulo the number of families.
+
+    For any fixed value of one axis the other positions still sum to every residue, so every
+    family appears with every value of every axis (tests check this for each preset).
+    """
+    index = (
+        _position(tp, TP_SIZES)
+        + _position(hidden, HIDDEN_SIZES)
+        + _position(hc, HC_VALUES)
+        + _position(m, TOKEN_COUNTS)
+        + OPS.index(Contribution(op))
+        + VARIANTS.index(Variant(variant))
+    )
+    return FAMILIES[index % len(FAMILIES)]
+
+
+Shape = tuple  # (tp, hidden, hc, m, op, variant)
+
+
+def _full_shapes() -> list[tuple[Shape, Family]]:
+    shapes = itertools.product(TP_SIZES, HIDDEN_SIZES, HC_VALUES, TOKEN_COUNTS, OPS, VARIANTS)
+    return [(shape, assigned_family(*shape)) for shape in shapes]
+
+
+def _default_shapes() -> list[tuple[Shape, Family]]:
+    shapes = []
+    stride = len(TOKEN_COUNTS) // DEFAULT_M_PER_COMBINATION
+    combinations = itertools.product(TP_SIZES, HIDDEN_SIZES, HC_VALUES, OPS, VARIANTS)
+    for c, (tp, hidden, hc, op, variant) in enumerate(combinations):
+        for k in range(DEFAULT_M_PER_COMBINATION):
+            m = TOKEN_COUNTS[(c + stride * k) % len(TOKEN_COUNTS)]
+            shape = (tp, hidden, hc, m, op, variant)
+            shapes.append((shape, assigned_family(*shape)))
+    return shapes
+
+
+def _quick_shapes() -> list[tuple[Shape, Family]]:
+    """Families cycle with a skip every 7 cases (i + 5 * (i // 7)): a plain cycle of 6 would
+    line up with the 2 x 3 x 2 inner loops and give each variant only two families. With the
+    skip, each TP, hidden, hc, op and variant value meets every family (tests check it)."""
+    shapes = []
+    combinations = itertools.product(TP_SIZES, OPS, VARIANTS, QUICK_HIDDEN_SIZES)
+    for i, (tp, op, variant, hidden) in enumerate(combinations):
+        hc = HC_VALUES[(i + i // len(QUICK_HIDDEN_SIZES)) % len(HC_VALUES)]
+        # 5 is coprime with len(TOKEN_COUNTS): M walks through every count, small and large mixed.
+        m = TOKEN_COUNTS[(5 * i) % len(TOKEN_COUNTS)]
+        family = FAMILIES[(i + 5 * (i // 7)) % len(FAMILIES)]
+        shapes.append(((tp, hidden, hc, m, op, variant), family))
+    return shapes
+
+
+_PRESET_SHAPES = {Preset.QUICK: _quick_shapes, Preset.DEFAULT: _default_shapes, Preset.FULL: _full_shapes}
+
+
+@dataclass(frozen=True)
+class Filters:
+    """Axis filters (None: no filter). `family`: None keeps each shape's assigned family; a
+    list crosses every shape with those families (all of FAMILIES for --family all)."""
+
+    tp: tuple[int, ...] | None = None
+    hidden: tuple[int, ...] | None = None
+    hc: tuple[int, ...] | None = None
+    m: tuple[int, ...] | None = None
+    op: tuple[Contribution, ...] | None = None
+    variant: tuple[Variant, ...] | None = None
+    family: tuple[Family, ...] | None = None
+
+    def to_dict(self) -> dict:
+        out = {}
+        for name in ("tp", "hidden", "hc", "m", "op", "variant", "family"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = [v.value if isinstance(v, enum.Enum) else v for v in value]
+        return out
+
+    def admits(self, shape: Shape) -> bool:
+        tp, hidden, hc, m, op, variant = shape
+        checks = ((self.tp, tp), (self.hidden, hidden), (self.hc, hc), (self.m, m), (self.op, op), (self.variant, variant))
+        return all(allowed is None or value in allowed for allowed, value in checks)
+
+
+def preset_cases(preset: Preset | str, filters: Filters = Filters(), *, seed_offset: int = 0) -> list[Case]:
+    """The cases of a preset that pass the filters, in matrix order, ids unique."""
+    preset = Preset(preset)
+    cases: dict[str, Case] = {}
+    for shape, assigned in _PRESET_SHAPES[preset]():
+        if not filters.admits(shape):
+            continue
+        families = filters.family if filters.family is not None else (assigned,)
+        tp, hidden, hc, m, op, variant = shape
+        for family in families:
+            case = Case(tp=tp, hidden=hidden, hc=hc, m=m, op=op, variant=variant, family=family, seed_offset=seed_offset)
+            cases.setdefault(case.id, case)
+    return list(cases.values())
+
+
+def cases_from_ids(ids: Iterable[str], *, seed_offset: int = 0) -> list[Case]:
+    cases: dict[str, Case] = {}
+    for case_id in ids:
+        case = Case.from_id(case_id, seed_offset=seed_offset)
+        cases.setdefault(case.id, case)
+    return list(cases.values())
+
+
+def parse_list(text: str, convert, name: str) -> tuple:
+    """A comma list from the command line, each item converted (ValueError naming the option)."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise ValueError(f"--{name}: empty list")
+    out = []
+    for item in items:
+        try:
+            out.append(convert(item))
+        except ValueError:
+            raise ValueError(f"--{name}: invalid value {item!r}") from None
+    return tuple(dict.fromkeys(out))
+
+
+def parse_families(text: str) -> tuple[Family, ...]:
+    if text.strip() == "all":
+        return FAMILIES
+    return parse_list(text, Family, "family")
