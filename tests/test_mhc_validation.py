@@ -1,0 +1,135 @@
+"""Every validation error of the API, on the CPU: a ValueError naming the argument, raised before
+anything is launched (CallValidator is pure; the GPU test checks that state is unchanged)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mhc_ar.allreduce_mhc import CallValidator, _per_rank, _variant
+from mhc_ar.config import Variant, mxfp8_scale_bytes
+from mhc_ar.transport import make_transport
+from mhc_ar.validation import check_eps
+
+M, H, HC, K = 4, 256, 2, 3
+CPU = torch.device("cpu")
+
+
+def validator(variant=Variant.FULL, top_k=K):
+    return CallValidator(hidden_size=H, hc_mult=HC, max_num_tokens=8, top_k=top_k, variant=variant, device=CPU)
+
+
+def aligned(shape, dtype):
+    """A 16-byte aligned contiguous tensor (torch's CPU allocator aligns to 64 bytes)."""
+    return torch.zeros(shape, dtype=dtype)
+
+
+def mix(**overrides):
+    values = dict(
+        residual=aligned((M, HC, H), torch.bfloat16),
+        post=aligned((M, HC), torch.float32),
+        comb=aligned((M, HC, HC), torch.float32),
+        pre=aligned((M, HC), torch.float32),
+        norm_weight=aligned((H,), torch.bfloat16),
+    )
+    values.update(overrides)
+    return tuple(values[k] for k in ("residual", "post", "comb", "pre", "norm_weight"))
+
+
+def test_valid_call_passes_and_allocates_outputs():
+    launch = validator().check_call(aligned((M, H), torch.bfloat16), mix(), 1e-6, None, None)
+    new_residual, layer_input = launch.results
+    assert new_residual.shape == (M, HC, H) and layer_input.shape == (M, H)
+    post3 = aligned((M, HC, 1), torch.float32)
+    validator().check_call(aligned((M, H), torch.bfloat16), mix(post=post3), 1e-6, None, None)
+
+
+X = aligned((M, H), torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (dict(x=aligned((M, H), torch.float16)), "x must have dtype"),
+        (dict(x=aligned((M, H + 8), torch.bfloat16)), "x must have shape"),
+        (dict(x=aligned((0, H), torch.bfloat16)), "x has 0 tokens"),
+        (dict(x=aligned((9, H), torch.bfloat16)), "x has 9 tokens"),
+        (dict(x=aligned((M, 2 * H), torch.bfloat16)[:, ::2]), "x must have shape|x must be contiguous"),
+        (dict(x=aligned((M * H + 1,), torch.bfloat16)[1:].view(M, H)), "x must be 16-byte aligned"),
+        (dict(x=[1, 2]), "x must be a torch.Tensor"),
+        (dict(mix=mix(residual=aligned((M, HC + 1, H), torch.bfloat16))), "residual must have shape"),
+        (dict(mix=mix(post=aligned((M, HC), torch.float64))), "post must have dtype"),
+        (dict(mix=mix(comb=aligned((M, HC, HC), torch.float32).transpose(1, 2))), "comb must be contiguous"),
+        (dict(mix=mix(pre=None)), "pre must be a torch.Tensor"),
+        (dict(mix=mix(norm_weight=aligned((H,), torch.float32))), "norm_weight must have dtype"),
+        (dict(eps=float("nan")), "eps must be finite"),
+        (dict(eps=-1.0), "eps must be finite"),
+        (dict(eps="1e-6"), "eps must be a float"),
+        (dict(mxfp8_out=(X, X)), "mxfp8_out given"),
+        (dict(out=(aligned((M, HC, H), torch.float32), X)), "new_residual"),
+        (dict(out=(aligned((M, HC, H), torch.bfloat16), None)), "layer_input"),
+        (dict(out=X), "out must be a"),
+    ],
+)
+def test_call_rejections_name_the_argument(args, match):
+    kwargs = dict(x=X, mix=mix(), eps=1e-6, mxfp8_out=None, out=None)
+    kwargs.update(args)
+    with pytest.raises(ValueError, match=match):
+        validator().check_call(kwargs["x"], kwargs["mix"], kwargs["eps"], kwargs["mxfp8_out"], kwargs["out"])
+
+
+def test_outputs_must_not_alias_inputs():
+    inputs = mix()
+    with pytest.raises(ValueError, match="new_residual overlaps residual"):
+        validator().check_call(X, inputs, 1e-6, None, (inputs[0], aligned((M, H), torch.bfloat16)))
+
+
+def test_mxfp8_outputs():
+    v = validator(Variant.MXFP8)
+    values = aligned((M, H), torch.float8_e4m3fn)
+    scales = aligned((mxfp8_scale_bytes(M, H),), torch.uint8)
+    v.check_call(X, mix(), 1e-6, (values, scales), None)
+    with pytest.raises(ValueError, match="required"):
+        v.check_call(X, mix(), 1e-6, None, None)
+    with pytest.raises(ValueError, match="scales"):
+        v.check_call(X, mix(), 1e-6, (values, scales[:-1]), None)
+    with pytest.raises(ValueError, match="values"):
+        v.check_call(X, mix(), 1e-6, (values.view(torch.uint8), scales), None)
+
+
+def test_residual_only_takes_no_pre_or_weight():
+    v = validator(Variant.RESIDUAL_ONLY)
+    launch = v.check_call(X, mix(pre=None, norm_weight=None), 1e-6, None, None)
+    assert launch.results[1] is None
+    with pytest.raises(ValueError, match="pre must be None"):
+        v.check_call(X, mix(norm_weight=None), 1e-6, None, None)
+
+
+def test_finalize_rejections():
+    v = validator()
+    gemm2 = aligned((M * K, H), torch.bfloat16)
+    weights = aligned((M, K), torch.float32)
+    routes = aligned((M, K), torch.int32)
+    v.check_finalize(gemm2, weights, routes, X, mix(), 1e-6, None, None)
+    with pytest.raises(ValueError, match="expanded_idx_to_permuted_idx must have dtype"):
+        v.check_finalize(gemm2, weights, routes.long(), X, mix(), 1e-6, None, None)
+    with pytest.raises(ValueError, match="expert_weights must have shape"):
+        v.check_finalize(gemm2, weights[:, :2].contiguous(), routes, X, mix(), 1e-6, None, None)
+    with pytest.raises(ValueError, match="gemm2_permuted"):
+        v.check_finalize(aligned((M * K, H + 8), torch.bfloat16), weights, routes, X, mix(), 1e-6, None, None)
+    with pytest.raises(ValueError, match="top_k >= 1"):
+        validator(top_k=0).check_finalize(gemm2, weights, routes, X, mix(), 1e-6, None, None)
+
+
+def test_construction_arguments():
+    with pytest.raises(ValueError, match="hidden_size must be an int"):
+        CallValidator(hidden_size=4096.0, hc_mult=4, max_num_tokens=8, top_k=0, variant=Variant.FULL, device=CPU)
+    with pytest.raises(ValueError, match="top_k"):
+        CallValidator(hidden_size=4096, hc_mult=4, max_num_tokens=8, top_k=-1, variant=Variant.FULL, device=CPU)
+    with pytest.raises(ValueError, match="exclude each other"):
+        _variant(True, True)
+    with pytest.raises(ValueError, match="transport must be one of"):
+        make_transport("nvlink")
+    with pytest.raises(ValueError, match="one entry per rank"):
+        _per_rank([X], "x", 2)
+    assert check_eps(0) == 0.0
