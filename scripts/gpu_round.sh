@@ -32,7 +32,7 @@ for step in "${steps[@]}"; do
         tests-all) run tests-all 540 $PY -m pytest -q -p no:cacheprovider -m gpu tests ;;
         conformance) run conformance 420 $PY -m conformance run --out "$OUT/reports" ;;
         conformance-quick) run conformance-quick 300 $PY -m conformance run --quick --out "$OUT/reports" ;;
-        bench) run bench 420 $PY -m conformance bench --out "$OUT/bench" ;;
+        bench) run bench 420 $PY -m conformance.bench --out "$OUT/bench" ;;
         *) echo "unknown step $step"; status=1 ;;
     esac
 done
