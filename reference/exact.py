@@ -37,7 +37,9 @@ def div_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     land on it (and an exact midpoint is represented exactly in fp64).
     """
     _check_f32(a, b)
-    return torch.div(a.double(), b.double()).float()
+    # Keep the divisor a tensor on the dividend's device: with a CPU scalar divisor, CUDA torch
+    # multiplies by the reciprocal instead of dividing.
+    return torch.div(a.double(), b.double().to(a.device)).float()
 
 
 def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:

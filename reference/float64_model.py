@@ -177,7 +177,7 @@ def mxfp8_values_f64(layer_input, scale_bytes) -> torch.Tensor:
     inverse = torch.where((e == 0) | (e == UE8M0_MAX), 0.0, torch.ldexp(torch.ones_like(e, dtype=torch.float64), 127 - e))
     q = layer_input.double().reshape(m, hidden // BLOCK_SIZE, BLOCK_SIZE) * inverse[..., None]
     q = torch.where(torch.isnan(q), E4M3_MAX, q.clamp(-E4M3_MAX, E4M3_MAX)).reshape(m, hidden)
-    grid = e4m3_decode(torch.arange(E4M3_MAX_CODE + 1)).double()  # ascending magnitudes
+    grid = e4m3_decode(torch.arange(E4M3_MAX_CODE + 1, device=q.device)).double()  # ascending magnitudes
     above = torch.searchsorted(grid, q.abs()).clamp(max=E4M3_MAX_CODE)
     below = (above - 1).clamp(min=0)
     d_above, d_below = grid[above] - q.abs(), q.abs() - grid[below]
@@ -242,7 +242,7 @@ def compare_e4m3(reference_codes: torch.Tensor, model_codes: torch.Tensor) -> St
 
 
 def _compare_keys(ref_keys, model_keys, excluded, slack=None) -> StageCheck:
-    distance = torch.where(excluded, 0, (ref_keys.cpu() - model_keys.cpu()).abs())
+    distance = torch.where(excluded.cpu(), 0, (ref_keys.cpu() - model_keys.cpu()).abs())
     slack = torch.zeros_like(distance) if slack is None else slack
     unexplained = (distance - slack).clamp(min=0)
     if distance.numel() == 0:
