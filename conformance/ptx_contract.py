@@ -1,0 +1,467 @@
+"""The PTX contract: what the compiled kernels must (and must not) contain.
+
+The numerics contract (SPEC.md) fixes every floating-point instruction, and the protocol fixes
+how memory is touched. Both are visible in the PTX, which CuTe DSL produces without a GPU, so
+every kernel variant is compiled for every target arch and read here. Each check is named and
+says what it found; a check fails on PTX that lacks (or has) the instruction in question, so
+it also guards against a refactor that silently changes the code the DSL emits.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from mhc_ar.config import ConsumerSpec, Contribution, PublishSpec, Variant
+
+SENTINEL_LOW = "0x00008000"  # bf16 -0.0 in the low lane of a 32-bit word
+SENTINEL_HIGH = "0x80000000"  # ... in the high lane
+_FLOAT_TYPES = (".f16", ".f16x2", ".bf16", ".bf16x2", ".f32", ".f64")
+
+
+@dataclass(frozen=True)
+class PtxCheck:
+    name: str
+    passed: bool
+    message: str
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "passed": self.passed, "message": self.message}
+
+
+@dataclass(frozen=True)
+class Instruction:
+    line: int  # 1-based line in the PTX text
+    opcode: str  # e.g. "fma.rn.f32" (predicate guard removed)
+    operands: str
+    text: str
+    guarded: bool = False  # executed under a predicate (@p / @!p)
+
+
+_GUARD = re.compile(r"^@!?%?\w+\s+")
+_LABEL = re.compile(r"^([$%\w]+):$")
+
+
+def _parse(ptx: str) -> tuple[list[Instruction], dict[str, int]]:
+    """Instructions in text order, and each label's position (index of the next instruction)."""
+    instructions: list[Instruction] = []
+    labels: dict[str, int] = {}
+    for number, raw in enumerate(ptx.splitlines(), start=1):
+        line = raw.split("//", 1)[0]
+        # Inline-asm blocks put several statements on one line: split at ';'.
+        for statement in line.split(";"):
+            text = statement.strip().strip("{}").strip()
+            label = _LABEL.match(text)
+            if label:
+                labels[label.group(1)] = len(instructions)
+                continue
+            if not text or text.startswith("."):
+                continue
+            guard = _GUARD.match(text)
+            text = _GUARD.sub("", text)
+            opcode, _, operands = text.partition(" ")
+            if not re.match(r"^[a-z]", opcode):
+                continue
+            instructions.append(Instruction(number, opcode, operands.strip(), text, guard is not None))
+    return instructions, labels
+
+
+def parse_instructions(ptx: str) -> list[Instruction]:
+    """Every instruction of the PTX text in order (labels, directives, braces, comments skipped)."""
+    return _parse(ptx)[0]
+
+
+_BRANCHES = ("bra", "bra.uni")
+_EXITS = ("ret", "exit", "trap")
+
+
+def _is_branch(i: Instruction) -> bool:
+    return i.opcode in _BRANCHES
+
+
+class _Kernel:
+    """The parsed PTX of one kernel, its basic blocks, and small queries over them."""
+
+    def __init__(self, ptx: str):
+        self.ptx = ptx
+        self.instructions, self.labels = _parse(ptx)
+        self._build_blocks()
+
+    def _build_blocks(self) -> None:
+        n = len(self.instructions)
+        starts = {0, *self.labels.values()}
+        starts |= {k + 1 for k, i in enumerate(self.instructions) if _is_branch(i) or i.opcode in _EXITS}
+        self.block_starts = sorted(s for s in starts if s < n)
+        self.block_of = {}
+        for b, start in enumerate(self.block_starts):
+            end = self.block_starts[b + 1] if b + 1 < len(self.block_starts) else n
+            for k in range(start, end):
+                self.block_of[k] = b
+        self.successors: list[set[int]] = []
+        for b, start in enumerate(self.block_starts):
+            end = self.block_starts[b + 1] if b + 1 < len(self.block_starts) else n
+            last = self.instructions[end - 1]
+            following = {b + 1} if b + 1 < len(self.block_starts) else set()
+            if _is_branch(last):
+                target = self.labels.get(last.operands.strip())
+                targets = {self.block_of[target]} if target is not None and target < n else set()
+                self.successors.append(targets | (following if last.guarded else set()))
+            elif last.opcode in _EXITS:
+                self.successors.append(following if last.guarded else set())
+            else:
+                self.successors.append(following)
+
+    def block_instructions(self, b: int) -> list[Instruction]:
+        start = self.block_starts[b]
+        end = self.block_starts[b + 1] if b + 1 < len(self.block_starts) else len(self.instructions)
+        return self.instructions[start:end]
+
+    def loop_of(self, b: int) -> set[int]:
+        """The blocks on a cycle through block b (its strongly connected component), or an
+        empty set if b is on no cycle."""
+        def reach(start, edges):
+            seen, todo = set(), [start]
+            while todo:
+                x = todo.pop()
+                for y in edges[x]:
+                    if y not in seen:
+                        seen.add(y)
+                        todo.append(y)
+            return seen
+        predecessors = [set() for _ in self.successors]
+        for x, ys in enumerate(self.successors):
+            for y in ys:
+                predecessors[y].add(x)
+        forward = reach(b, self.successors)
+        if b not in forward:
+            return set()
+        return forward & (reach(b, predecessors) | {b})
+
+    def count(self, opcode: str) -> int:
+        return sum(1 for i in self.instructions if i.opcode == opcode)
+
+    def matching(self, predicate: Callable[[Instruction], bool]) -> list[Instruction]:
+        return [i for i in self.instructions if predicate(i)]
+
+    def first_index(self, predicate: Callable[[Instruction], bool]) -> int | None:
+        for k, i in enumerate(self.instructions):
+            if predicate(i):
+                return k
+        return None
+
+
+def _present(kernel: _Kernel, opcode: str, why: str) -> PtxCheck:
+    n = kernel.count(opcode)
+    return PtxCheck(f"has {opcode}", n > 0, f"{n} x {opcode} ({why})" if n else f"no {opcode} ({why})")
+
+
+def _exactly(kernel: _Kernel, opcode: str, expected: int, why: str) -> PtxCheck:
+    n = kernel.count(opcode)
+    name = f"{expected} x {opcode}" if expected else f"no {opcode}"
+    return PtxCheck(name, n == expected, f"found {n}, expected {expected} ({why})")
+
+
+def _arithmetic(i: Instruction) -> bool:
+    base = i.opcode.split(".", 1)[0]
+    return base in ("fma", "add", "sub", "mul", "div", "mad") and any(i.opcode.endswith(t) for t in _FLOAT_TYPES)
+
+
+def _no_ftz_arithmetic(kernel: _Kernel) -> PtxCheck:
+    """Subnormals are part of the contract (the tiny family): only rsqrt.approx may flush."""
+    bad = kernel.matching(lambda i: _arithmetic(i) and ".ftz" in i.opcode)
+    message = "no .ftz on fma/add/sub/mul/div" if not bad else f"{len(bad)} flushing: line {bad[0].line}: {bad[0].text}"
+    return PtxCheck("no .ftz on float arithmetic", not bad, message)
+
+
+def _divisions_are_ieee(kernel: _Kernel) -> PtxCheck:
+    bad = kernel.matching(lambda i: i.opcode.startswith("div.") and i.opcode.endswith(".f32") and i.opcode != "div.rn.f32")
+    message = "every f32 division is div.rn.f32" if not bad else f"line {bad[0].line}: {bad[0].text} (contract: div.rn.f32)"
+    return PtxCheck("f32 division is IEEE (div.rn)", not bad, message)
+
+
+def _is_global_load(i: Instruction) -> bool:
+    """Loads that can read global memory: ld/ldu/cp.async with .global, and generic-address
+    ld (no state space), which may point at global memory too."""
+    op = i.opcode
+    if op.startswith(("ld.", "ldu.")) or op == "ld":
+        spaces = (".param", ".shared", ".local", ".const")
+        return ".global" in op or not any(s in op for s in spaces)
+    return op.startswith("cp.async") and ".global" in op
+
+
+def _loads_before_wait(kernel: _Kernel, wait: int) -> list[Instruction]:
+    """Global loads on some path from the kernel entry that does not pass the wait at `wait`."""
+    wait_block = kernel.block_of[wait]
+    early: list[Instruction] = []
+    seen, todo = {0}, [0]
+    while todo:
+        b = todo.pop()
+        body = kernel.block_instructions(b)
+        if b == wait_block:
+            start = kernel.block_starts[b]
+            early += [i for i in kernel.instructions[start:wait] if _is_global_load(i)]
+            continue  # every path through this block passes the wait
+        early += [i for i in body if _is_global_load(i)]
+        for nxt in kernel.successors[b]:
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return sorted(early, key=lambda i: i.line)
+
+
+def _griddepcontrol_first(kernel: _Kernel) -> PtxCheck:
+    """PDL: nothing the previous kernel wrote may be loaded before griddepcontrol.wait. Checked
+    in text order and on every control-flow path from the entry."""
+    name = "griddepcontrol.wait before global loads"
+    wait = kernel.first_index(lambda i: i.opcode == "griddepcontrol.wait")
+    load = kernel.first_index(_is_global_load)
+    if wait is None:
+        return PtxCheck(name, False, "no griddepcontrol.wait")
+    wait_line = kernel.instructions[wait].line
+    if load is not None and load < wait:
+        first = kernel.instructions[load]
+        return PtxCheck(name, False, f"line {first.line}: {first.text} comes before griddepcontrol.wait (line {wait_line})")
+    early = _loads_before_wait(kernel, wait)
+    if early:
+        return PtxCheck(name, False, f"line {early[0].line}: {early[0].text} is reachable without passing the wait (line {wait_line})")
+    where = "no global load" if load is None else f"first global load at line {kernel.instructions[load].line}"
+    return PtxCheck(name, True, f"wait at line {wait_line}, {where}; no path reaches a global load before it")
+
+
+def _is_sentinel_compare(i: Instruction, constant: str) -> bool:
+    return re.match(r"^setp\.eq(\.or|\.and)?\.(b32|u32|s32)$", i.opcode) is not None and constant in i.operands
+
+
+def _is_float_compare(i: Instruction) -> bool:
+    return i.opcode.startswith("setp.") and any(i.opcode.endswith(t) for t in _FLOAT_TYPES)
+
+
+def _sentinel_compares(kernel: _Kernel, what: str) -> PtxCheck:
+    """The sentinel test is an integer compare of each 16-bit lane with 0x8000 (a float compare
+    would also match +0.0, and NaN never equals itself)."""
+    low = kernel.matching(lambda i: _is_sentinel_compare(i, SENTINEL_LOW))
+    high = kernel.matching(lambda i: _is_sentinel_compare(i, SENTINEL_HIGH))
+    ok = bool(low) and bool(high)
+    message = f"{len(low)} compares with {SENTINEL_LOW}, {len(high)} with {SENTINEL_HIGH} ({what})"
+    return PtxCheck("sentinel compared as integer lanes", ok, message)
+
+
+SPIN_LOAD = "ld.volatile.global.v4.b32"
+
+
+def _spin_loops(kernel: _Kernel) -> list[set[int]]:
+    """Every loop (set of basic blocks) that re-executes a spin load."""
+    loops: list[set[int]] = []
+    for k, i in enumerate(kernel.instructions):
+        if i.opcode != SPIN_LOAD:
+            continue
+        loop = kernel.loop_of(kernel.block_of[k])
+        if loop and loop not in loops:
+            loops.append(loop)
+    return loops
+
+
+def _spin_compares_integer_lanes(kernel: _Kernel) -> PtxCheck:
+    """Each spin loop (a cycle of basic blocks around a volatile 16-byte load) tests the sentinel
+    with integer compares of both lanes and contains no floating-point compare."""
+    name = "spin loops compare integer lanes only"
+    loops = _spin_loops(kernel)
+    if not loops:
+        return PtxCheck(name, False, f"no loop around a spin load ({SPIN_LOAD})")
+    for loop in loops:
+        body = [i for b in sorted(loop) for i in kernel.block_instructions(b)]
+        first = body[0].line
+        floats = [i for i in body if _is_float_compare(i)]
+        if floats:
+            return PtxCheck(name, False, f"spin loop at line {first}: line {floats[0].line}: {floats[0].text}")
+        for constant in (SENTINEL_LOW, SENTINEL_HIGH):
+            if not any(_is_sentinel_compare(i, constant) for i in body):
+                return PtxCheck(name, False, f"spin loop at line {first} has no integer compare with {constant}")
+    return PtxCheck(name, True, f"{len(loops)} spin loops, each with integer sentinel compares and no float setp")
+
+
+def check_consumer_ptx(ptx: str, variant: Variant) -> list[PtxCheck]:
+    kernel = _Kernel(ptx)
+    variant = Variant(variant)
+    has_norm = variant is not Variant.RESIDUAL_ONLY
+    checks = [
+        _present(kernel, "fma.rn.f32", "post-mix, collapse, sum of squares"),
+        _present(kernel, "mul.rn.f32", "y * post, p * inv * w"),
+        _present(kernel, "add.rn.f32", "reduce in rank order, warp/CTA/cluster sums"),
+        _no_ftz_arithmetic(kernel),
+        _divisions_are_ieee(kernel),
+        _present(kernel, SPIN_LOAD, "Lamport spin: 16-byte volatile loads"),
+        _sentinel_compares(kernel, "spin"),
+        _spin_compares_integer_lanes(kernel),
+        _present(kernel, "st.global.v4.b32", "re-arm consumed slots, bf16 outputs"),
+        _griddepcontrol_first(kernel),
+        _present(kernel, "cvt.rn.bf16x2.f32", "one rounding to bf16 per stage"),
+    ]
+    if has_norm:
+        checks += [
+            _exactly(kernel, "div.rn.f32", 1, "ss / H, once per row"),
+            _exactly(kernel, "rsqrt.approx.ftz.f32", 1, "inv = rsqrt(mean + eps), once per row"),
+        ]
+    else:
+        checks += [
+            _exactly(kernel, "div.rn.f32", 0, "residual_only computes no RMSNorm"),
+            _exactly(kernel, "rsqrt.approx.ftz.f32", 0, "residual_only computes no RMSNorm"),
+        ]
+    if variant is Variant.MXFP8:
+        checks += [
+            _present(kernel, "cvt.rn.satfinite.e4m3x2.f32", "MXFP8 values, saturating"),
+            _present(kernel, "st.global.b8", "one UE8M0 scale byte per block"),
+        ]
+    return checks
+
+
+def check_publish_ptx(ptx: str, contribution: Contribution, multicast: bool, tp: int) -> list[PtxCheck]:
+    kernel = _Kernel(ptx)
+    stores = kernel.count("st.global.v4.b32")
+    multimem = kernel.matching(lambda i: i.opcode.startswith("multimem."))
+    multimem_stores = [i for i in multimem if i.opcode.startswith("multimem.st")]
+    checks = [
+        _griddepcontrol_first(kernel),
+        _no_ftz_arithmetic(kernel),
+        _sentinel_compares(kernel, "scrub: -0.0 lanes published as +0.0"),
+    ]
+    if multicast:
+        checks += [
+            PtxCheck(
+                "one multimem.st per vector",
+                len(multimem_stores) == 1,
+                f"found {len(multimem_stores)} multimem.st (one store reaches every rank)",
+            ),
+            PtxCheck(
+                "no peer st.global.v4 loop",
+                stores == 0,
+                f"found {stores} st.global.v4.b32 (multicast publishes with multimem.st only)",
+            ),
+        ]
+    else:
+        checks += [
+            PtxCheck(
+                f"{tp} peer stores",
+                stores == tp,
+                f"found {stores} st.global.v4.b32, expected one per rank (tp={tp})",
+            ),
+            PtxCheck(
+                "no multimem",
+                not multimem,
+                "no multimem instruction" if not multimem else f"line {multimem[0].line}: {multimem[0].text}",
+            ),
+        ]
+    if Contribution(contribution) is Contribution.FINALIZE:
+        checks += [
+            _present(kernel, "fma.rn.f32", "acc = fma(w_k, gemm2[idx_k], acc)"),
+            _present(kernel, "add.rn.f32", "acc + shared_output"),
+            _present(kernel, "cvt.rn.bf16x2.f32", "one rounding of the contribution"),
+        ]
+    return checks
+
+
+def check_ptx(spec, ptx: str) -> list[PtxCheck]:
+    """The contract checks of one compiled kernel (PublishSpec or ConsumerSpec)."""
+    if isinstance(spec, PublishSpec):
+        return check_publish_ptx(ptx, spec.contribution, spec.multicast, spec.tp)
+    if isinstance(spec, ConsumerSpec):
+        return check_consumer_ptx(ptx, spec.variant)
+    raise ValueError(f"spec must be a PublishSpec or ConsumerSpec, got {type(spec).__name__}")
+
+
+# ----- compile every variant for every arch ---------------------------------------------------
+
+
+@dataclass
+class KernelContract:
+    """One kernel variant compiled for one arch, and its PTX checks."""
+
+    arch: str
+    kernel: str
+    kind: str  # publish | consumer
+    variant: str  # e.g. call-unicast, finalize-multicast, full, mxfp8, residual_only
+    status: str  # pass | fail | error
+    compile_s: float
+    checks: list[PtxCheck] = field(default_factory=list)
+    error: str | None = None
+    ptx_file: str | None = None  # relative to the report directory
+
+    def to_dict(self) -> dict:
+        return {
+            "arch": self.arch,
+            "kernel": self.kernel,
+            "kind": self.kind,
+            "variant": self.variant,
+            "status": self.status,
+            "compile_s": round(self.compile_s, 4),
+            "checks": [c.to_dict() for c in self.checks],
+            "error": self.error,
+            "ptx_file": self.ptx_file,
+        }
+
+
+def describe_spec(spec) -> tuple[str, str]:
+    """(kind, variant label) of a kernel spec."""
+    if isinstance(spec, PublishSpec):
+        transport = "multicast" if spec.multicast else "unicast"
+        return "publish", f"{spec.contribution.value}-{transport}"
+    return "consumer", spec.variant.value
+
+
+def check_compiled_variants(
+    archs: Iterable[str] | None = None,
+    specs: Iterable | None = None,
+    *,
+    ptx_dir=None,
+    on_result: Callable[[KernelContract], None] | None = None,
+) -> list[KernelContract]:
+    """Compile every kernel variant (mhc_ar.compile.kernel_variants()) for every arch (default
+    mhc_ar.compile.TARGET_ARCHS) and check its PTX. A compile error is recorded, not raised.
+    With ptx_dir, each PTX is written to ptx_dir/<arch>/<kernel>.ptx."""
+    from pathlib import Path
+
+    from mhc_ar.compile import TARGET_ARCHS, compile_spec, consumer_name, kernel_variants, publish_name
+
+    archs = list(TARGET_ARCHS if archs is None else archs)
+    specs = list(kernel_variants() if specs is None else specs)
+    results = []
+    for arch in archs:
+        for spec in specs:
+            kind, variant = describe_spec(spec)
+            name = publish_name(spec) if kind == "publish" else consumer_name(spec)
+            start = time.perf_counter()
+            try:
+                ptx = compile_spec(spec, arch, keep_ptx=True).ptx
+                if not ptx:
+                    raise RuntimeError("the compiler returned no PTX")
+            except Exception:
+                result = KernelContract(arch, name, kind, variant, "error", time.perf_counter() - start, error=traceback.format_exc())
+            else:
+                elapsed = time.perf_counter() - start
+                checks = check_ptx(spec, ptx)
+                status = "pass" if all(c.passed for c in checks) else "fail"
+                result = KernelContract(arch, name, kind, variant, status, elapsed, checks)
+                if ptx_dir is not None:
+                    path = Path(ptx_dir) / arch / f"{name}.ptx"
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_text(ptx)
+                    result.ptx_file = f"{Path(ptx_dir).name}/{arch}/{name}.ptx"
+            results.append(result)
+            if on_result is not None:
+                on_result(result)
+    return results
+
+
+__all__ = [
+    "Instruction",
+    "KernelContract",
+    "PtxCheck",
+    "check_compiled_variants",
+    "check_consumer_ptx",
+    "check_ptx",
+    "check_publish_ptx",
+    "parse_instructions",
+]
