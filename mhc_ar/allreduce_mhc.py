@@ -57,8 +57,8 @@ class CallValidator:
 
     def check_call(self, x, mix, eps, mxfp8_out, out, tokens=None) -> _Launch:
         m = check.check_tokens(x, "x", self.capacity) if tokens is None else tokens
-        check.check_tensor(x, "x", shape=(m, self.hidden_size), dtype=torch.bfloat16, device=self.device)
-        return self._check_mix((x.data_ptr(), 0, 0, 0), m, mix, eps, mxfp8_out, out)
+        address = check.check_tensor(x, "x", shape=(m, self.hidden_size), dtype=torch.bfloat16, device=self.device)
+        return self._check_mix((address, 0, 0, 0), m, mix, eps, mxfp8_out, out)
 
     def check_finalize(self, gemm2, weights, routes, shared, mix, eps, mxfp8_out, out) -> _Launch:
         if self.top_k < 1:
@@ -67,71 +67,71 @@ class CallValidator:
         h, k, dev = self.hidden_size, self.top_k, self.device
         if not isinstance(gemm2, torch.Tensor) or gemm2.dim() != 2:
             raise ValueError("gemm2_permuted must be a 2-D [rows, hidden_size] tensor")
-        check.check_tensor(gemm2, "gemm2_permuted", shape=(gemm2.shape[0], h), dtype=torch.bfloat16, device=dev)
-        check.check_tensor(weights, "expert_weights", shape=(m, k), dtype=torch.float32, device=dev)
-        check.check_tensor(routes, "expanded_idx_to_permuted_idx", shape=(m, k), dtype=torch.int32, device=dev)
-        check.check_tensor(shared, "shared_output", shape=(m, h), dtype=torch.bfloat16, device=dev)
-        contribution = (shared.data_ptr(), gemm2.data_ptr(), weights.data_ptr(), routes.data_ptr())
+        contribution = (
+            check.check_tensor(shared, "shared_output", shape=(m, h), dtype=torch.bfloat16, device=dev),
+            check.check_tensor(gemm2, "gemm2_permuted", shape=(gemm2.shape[0], h), dtype=torch.bfloat16, device=dev),
+            check.check_tensor(weights, "expert_weights", shape=(m, k), dtype=torch.float32, device=dev),
+            check.check_tensor(routes, "expanded_idx_to_permuted_idx", shape=(m, k), dtype=torch.int32, device=dev),
+        )
         return self._check_mix(contribution, m, mix, eps, mxfp8_out, out)
 
     def _check_mix(self, contribution, m, mix, eps, mxfp8_out, out) -> _Launch:
         residual, post, comb, pre, norm_weight = mix
         h, hc, dev = self.hidden_size, self.hc, self.device
-        check.check_tensor(residual, "residual", shape=(m, hc, h), dtype=torch.bfloat16, device=dev)
+        f32, bf16 = torch.float32, torch.bfloat16
+        inputs = [("residual", check.check_tensor(residual, "residual", shape=(m, hc, h), dtype=bf16, device=dev), m * hc * h * 2)]
         post_shape = (m, hc, 1) if isinstance(post, torch.Tensor) and post.dim() == 3 else (m, hc)
-        check.check_tensor(post, "post", shape=post_shape, dtype=torch.float32, device=dev)
-        check.check_tensor(comb, "comb", shape=(m, hc, hc), dtype=torch.float32, device=dev)
+        inputs.append(("post", check.check_tensor(post, "post", shape=post_shape, dtype=f32, device=dev), m * hc * 4))
+        inputs.append(("comb", check.check_tensor(comb, "comb", shape=(m, hc, hc), dtype=f32, device=dev), m * hc * hc * 4))
         check.check_eps(eps)
         residual_only = self.variant is Variant.RESIDUAL_ONLY
         if residual_only:
             for name, value in (("pre", pre), ("norm_weight", norm_weight)):
                 if value is not None:
                     raise ValueError(f"{name} must be None for a residual_only instance (no layer input is computed)")
+            pre_address = weight_address = 0
         else:
-            check.check_tensor(pre, "pre", shape=(m, hc), dtype=torch.float32, device=dev)
-            check.check_tensor(norm_weight, "norm_weight", shape=(h,), dtype=torch.bfloat16, device=dev)
+            pre_address = check.check_tensor(pre, "pre", shape=(m, hc), dtype=f32, device=dev)
+            weight_address = check.check_tensor(norm_weight, "norm_weight", shape=(h,), dtype=bf16, device=dev)
+            inputs += [("pre", pre_address, m * hc * 4), ("norm_weight", weight_address, h * 2)]
 
+        outputs = []
         mx_values = mx_scales = 0
         if self.variant is Variant.MXFP8:
             if not isinstance(mxfp8_out, (tuple, list)) or len(mxfp8_out) != 2:
                 raise ValueError("mxfp8_out=(values, scales) is required by a quantize_layer_input instance")
             values, scales = mxfp8_out
-            check.check_tensor(values, "mxfp8_out[0] (values)", shape=(m, h), dtype=torch.float8_e4m3fn, device=dev)
-            check.check_tensor(scales, "mxfp8_out[1] (scales)", shape=(mxfp8_scale_bytes(m, h),), dtype=torch.uint8, device=dev)
-            mx_values, mx_scales = values.data_ptr(), scales.data_ptr()
+            scale_bytes = mxfp8_scale_bytes(m, h)
+            mx_values = check.check_tensor(values, "mxfp8_out[0] (values)", shape=(m, h), dtype=torch.float8_e4m3fn, device=dev)
+            mx_scales = check.check_tensor(scales, "mxfp8_out[1] (scales)", shape=(scale_bytes,), dtype=torch.uint8, device=dev)
+            outputs += [("mxfp8 values", mx_values, m * h), ("mxfp8 scales", mx_scales, scale_bytes)]
         elif mxfp8_out is not None:
             raise ValueError("mxfp8_out given, but this instance was built with quantize_layer_input=False")
 
         if out is None:
-            new_residual = torch.empty((m, hc, h), dtype=torch.bfloat16, device=dev)
-            layer_input = None if residual_only else torch.empty((m, h), dtype=torch.bfloat16, device=dev)
+            check.check_no_overlap(outputs, inputs)
+            new_residual = torch.empty((m, hc, h), dtype=bf16, device=dev)
+            layer_input = None if residual_only else torch.empty((m, h), dtype=bf16, device=dev)
         else:
             if not isinstance(out, (tuple, list)) or len(out) != 2:
                 raise ValueError("out must be a (new_residual, layer_input) pair")
             new_residual, layer_input = out
-            check.check_tensor(new_residual, "out[0] (new_residual)", shape=(m, hc, h), dtype=torch.bfloat16, device=dev)
+            address = check.check_tensor(new_residual, "out[0] (new_residual)", shape=(m, hc, h), dtype=bf16, device=dev)
+            outputs.append(("new_residual", address, m * hc * h * 2))
             if residual_only:
                 if layer_input is not None:
                     raise ValueError("out[1] must be None for a residual_only instance")
             else:
-                check.check_tensor(layer_input, "out[1] (layer_input)", shape=(m, h), dtype=torch.bfloat16, device=dev)
+                address = check.check_tensor(layer_input, "out[1] (layer_input)", shape=(m, h), dtype=bf16, device=dev)
+                outputs.append(("layer_input", address, m * h * 2))
+            check.check_no_overlap(outputs, inputs)
 
-        consumer_inputs = {"residual": residual, "post": post, "comb": comb, "pre": pre, "norm_weight": norm_weight}
-        outputs = {"new_residual": new_residual, "layer_input": layer_input}
-        if self.variant is Variant.MXFP8:
-            outputs.update({"mxfp8 values": mxfp8_out[0], "mxfp8 scales": mxfp8_out[1]})
-        check.check_no_overlap(outputs, consumer_inputs)
-
-        pre_address = 0 if pre is None else pre.data_ptr()
-        weight_address = 0 if norm_weight is None else norm_weight.data_ptr()
-        li_address = 0 if layer_input is None else layer_input.data_ptr()
         return _Launch(
             contribution,
-            (residual.data_ptr(), post.data_ptr(), comb.data_ptr(), pre_address, weight_address),
-            (new_residual.data_ptr(), li_address, mx_values, mx_scales),
+            (inputs[0][1], inputs[1][1], inputs[2][1], pre_address, weight_address),
+            (new_residual.data_ptr(), 0 if layer_input is None else layer_input.data_ptr(), mx_values, mx_scales),
             (new_residual, layer_input),
         )
-
 
 
 class _Engine:

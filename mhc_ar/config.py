@@ -28,6 +28,10 @@ VECTORS_PER_MXFP8_BLOCK = MXFP8_BLOCK // VECTOR_ELEMS
 # 5120 -> 5, 7168 -> 7, each CTA 128 threads with one vector each.
 TARGET_VECTORS_PER_CTA = 128
 CONSUMER_MAX_THREADS = 256
+# Up to hc = 4 the consumer fits in 64 registers without spilling (ptxas -v on sm_90a), which
+# lets 1024 threads per SM be resident; hc = 8 needs about 128 and is left to the compiler.
+RESIDENT_THREADS_PER_SM = 1024
+REGISTER_BOUND_MAX_HC = 4
 PUBLISH_THREADS = 128
 # A consumer that has waited this long for a peer's data traps (a CUDA launch error on that
 # rank) instead of spinning forever; healthy calls wait microseconds.
@@ -152,6 +156,13 @@ class ConsumerSpec:
     @property
     def hidden_size(self) -> int:
         return self.tiling.hidden_size
+
+    @property
+    def min_ctas_per_sm(self) -> int:
+        """Launch-bounds minimum of resident CTAs per SM (0: no register bound)."""
+        if self.hc > REGISTER_BOUND_MAX_HC:
+            return 0
+        return max(1, RESIDENT_THREADS_PER_SM // self.tiling.threads_per_cta)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,27 @@ def check_tensor(
     dtype: torch.dtype,
     device: torch.device,
     alignment: int = ALIGNMENT,
-) -> torch.Tensor:
+) -> int:
+    """Return the tensor's address if it has this dtype, shape and device, is contiguous and
+    `alignment`-byte aligned; else raise ValueError naming `name` and the rule it breaks.
+
+    The accepted case is a handful of attribute reads (it runs on every eager call)."""
+    try:
+        if (
+            tensor.dtype is dtype
+            and tensor.shape == shape
+            and tensor.device == device
+            and tensor.is_contiguous()
+        ):
+            address = tensor.data_ptr()
+            if address % alignment == 0:
+                return address
+    except AttributeError:
+        pass
+    _raise_for(tensor, name, shape, dtype, device, alignment)
+
+
+def _raise_for(tensor, name, shape, dtype, device, alignment):
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype != dtype:
@@ -29,9 +49,7 @@ def check_tensor(
         raise ValueError(f"{name} must be on {device}, got {tensor.device}")
     if not tensor.is_contiguous():
         raise ValueError(f"{name} must be contiguous (strides {tensor.stride()})")
-    if tensor.data_ptr() % alignment:
-        raise ValueError(f"{name} must be {alignment}-byte aligned (address {tensor.data_ptr():#x})")
-    return tensor
+    raise ValueError(f"{name} must be {alignment}-byte aligned (address {tensor.data_ptr():#x})")
 
 
 def check_tokens(tensor, name: str, capacity: int) -> int:
@@ -55,21 +73,10 @@ def check_eps(eps) -> float:
     return eps
 
 
-def _byte_range(tensor: torch.Tensor) -> tuple[int, int]:
-    start = tensor.data_ptr()
-    return start, start + tensor.numel() * tensor.element_size()
-
-
-def check_no_overlap(outputs: dict, inputs: dict) -> None:
+def check_no_overlap(outputs, inputs) -> None:
     """Outputs must not share memory with the consumer's inputs (other threads of the kernel still
-    read an input row while one thread writes its output)."""
-    for out_name, out in outputs.items():
-        if out is None:
-            continue
-        o_start, o_end = _byte_range(out)
-        for in_name, tensor in inputs.items():
-            if tensor is None:
-                continue
-            i_start, i_end = _byte_range(tensor)
-            if o_start < i_end and i_start < o_end:
+    read an input row while one thread writes its output). Both are (name, address, nbytes)."""
+    for out_name, o_start, o_size in outputs:
+        for in_name, i_start, i_size in inputs:
+            if o_start < i_start + i_size and i_start < o_start + o_size:
                 raise ValueError(f"{out_name} overlaps {in_name}: outputs must not alias inputs")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils
+from cutlass.memory import SmemAllocator
 from cutlass import Float32, Int32, Int64, Uint32
 from flashinfer.quantization.quantization_cute_dsl_utils import (
     INV_FLOAT8_E4M3_MAX,
@@ -99,7 +99,7 @@ class ConsumerKernel:
         num_tokens: Int32,
         stream,
     ):
-        tiling = self.tiling
+        tiling, spec = self.tiling, self.spec
         args = (mailbox, state, residual, post, comb, pre, norm_weight, new_residual, layer_input)
         self.kernel(*args, mx_values, mx_scales, eps, num_tokens).launch(
             grid=[num_tokens * tiling.cluster_size, 1, 1],
@@ -107,6 +107,10 @@ class ConsumerKernel:
             cluster=[self.cluster, 1, 1],
             stream=stream,
             use_pdl=True,
+            # A register bound (launch_bounds' min CTAs per SM), so enough bytes are in flight per
+            # SM at large M; preferred_smem_carveout only keeps the DSL from querying a GPU.
+            min_blocks_per_mp=spec.min_ctas_per_sm,
+            preferred_smem_carveout=0,
         )
 
     @cute.kernel
@@ -138,7 +142,7 @@ class ConsumerKernel:
         lane = tid % WARP_SIZE
         warp = tid // WARP_SIZE
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = SmemAllocator()
         warp_sums = smem.allocate_tensor(Float32, cute.make_layout((tiling.warps_per_cta,)), byte_alignment=16)
         cluster_sums = smem.allocate_tensor(Float32, cute.make_layout((clusters,)), byte_alignment=16)
         if cutlass.const_expr(self.has_norm and clusters > 1):
@@ -234,7 +238,7 @@ class ConsumerKernel:
                 if cutlass.const_expr(self.has_mxfp8):
                     self._mxfp8_block(out, row, vector, column, lane, valid, mx_values, mx_scales)
             if cutlass.const_expr(self.has_mxfp8):
-                self._zero_padding_scales(fragments, token, num_tokens, lane, mx_scales)
+                self._zero_padding_scales(bid, tid, num_tokens, mx_scales)
 
         if bid == 0 and tid == 0:
             # Advance the generation for the next publish (see mhc_ar.protocol).
@@ -291,20 +295,21 @@ class ConsumerKernel:
         ptx.st_global_u8(mx_scales + Int64(offset), scale, leader)
 
     @cute.jit
-    def _zero_padding_scales(self, fragments, token, num_tokens, lane, mx_scales):
-        """Scale rows M..roundup(M,128)-1 are zero: cluster `token` clears rows M+token, M+token+M, ..."""
+    def _zero_padding_scales(self, bid, tid, num_tokens, mx_scales):
+        """Scale rows M .. roundup(M,128)-1 are zero. The 4 scales of columns 4g..4g+3 of one row
+        are 4 contiguous bytes of the 128x4 layout, so the padding is (padded rows) x (H/128)
+        words, spread over every thread of the grid (a handful of stores each, even at M=1)."""
+        groups = self.spec.hidden_size // (4 * MXFP8_BLOCK)
         padded_rows = (num_tokens + (_SCALE_ROW_TILE - 1)) // _SCALE_ROW_TILE * _SCALE_ROW_TILE
-        pad_row = num_tokens + token
-        while pad_row < padded_rows:
-            for f in cutlass.range_constexpr(len(fragments)):
-                vector, column, valid, p = fragments[f]
-                block = vector // VECTORS_PER_MXFP8_BLOCK
-                offset = compute_sf_index_swizzled_128x4_gpu(pad_row, block, Int32(self._scale_columns()))
-                leader = (lane % VECTORS_PER_MXFP8_BLOCK) == 0
-                if cutlass.const_expr(valid is not None):
-                    leader = leader & valid
-                ptx.st_global_u8(mx_scales + Int64(offset), Uint32(0), leader)
-            pad_row = pad_row + num_tokens
+        words = (padded_rows - num_tokens) * groups
+        stride = num_tokens * self.tiling.cluster_size * self.tiling.threads_per_cta
+        unit = bid * self.tiling.threads_per_cta + tid
+        while unit < words:
+            row = num_tokens + unit // groups
+            group = unit - (unit // groups) * groups
+            offset = compute_sf_index_swizzled_128x4_gpu(row, group * 4, Int32(self._scale_columns()))
+            ptx.st_global_u32(mx_scales + Int64(offset), Uint32(0))
+            unit = unit + stride
 
     def _scale_columns(self) -> int:
         # The MXFP8 variant requires H % 128 == 0, so H/32 is already a multiple of 4.
