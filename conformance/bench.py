@@ -15,6 +15,7 @@ straightforward PyTorch, plus FlashInfer's cute-dsl mxfp8_quantize for the MXFP8
 from __future__ import annotations
 
 import argparse
+from html import escape as html_escape
 import json
 import math
 import statistics
@@ -190,6 +191,7 @@ class BenchResult:
     rows: list[Row] = field(default_factory=list)
     tp_rows: list[Row] = field(default_factory=list)
     eager_us: dict = field(default_factory=dict)
+    eager_api: str = ""
     seconds: float = 0.0
 
 
@@ -247,20 +249,60 @@ def measure_tp(tp: int, hidden: int, hc: int, ms) -> list[Row]:
     return rows
 
 
-def eager_latency_us(op, inputs: Inputs, calls: int = 2000) -> float:
-    """Wall time per eager __call__ (host-bound at M=1: Python validation + two launches)."""
-    i = inputs
+def _per_call_us(fn, calls: int = 2000, batches: int = 5) -> float:
     for _ in range(50):
-        op(i.xs, i.residual, i.post, i.comb, i.pre, i.norm_weight, i.eps)
+        fn()
     torch.cuda.synchronize()
-    batches = []
-    for _ in range(5):
+    times = []
+    for _ in range(batches):
         start = time.perf_counter()
-        for _ in range(calls // 5):
-            op(i.xs, i.residual, i.post, i.comb, i.pre, i.norm_weight, i.eps)
+        for _ in range(calls // batches):
+            fn()
         torch.cuda.synchronize()
-        batches.append((time.perf_counter() - start) * 1e6 / (calls // 5))
-    return statistics.median(batches)
+        times.append((time.perf_counter() - start) * 1e6 / (calls // batches))
+    return statistics.median(times)
+
+
+def single_rank_op(hidden: int, hc: int, capacity: int):
+    """AllReduceMHC over a one-process group (the unicast transport, symmetric memory), or None
+    with the reason if torch.distributed or symmetric memory is unavailable here."""
+    import socket
+
+    import torch.distributed as dist
+
+    from mhc_ar import AllReduceMHC
+
+    try:
+        if not dist.is_initialized():
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        return AllReduceMHC(hidden_size=hidden, hc_mult=hc, max_num_tokens=capacity, device="cuda"), ""
+    except Exception as error:  # report, fall back to the emulated object
+        return None, f"{type(error).__name__}: {error}"
+
+
+def eager_breakdown_us(op, inputs: Inputs, *, emulated: bool) -> dict:
+    """Host wall time per eager call (host-bound at small M), and its parts: validation alone
+    and the two launches alone (pre-validated)."""
+    i = inputs
+    x = i.xs if emulated else i.xs[0]
+    mix = (i.residual, i.post, i.comb, i.pre, i.norm_weight)
+    engine = op._engine
+    endpoint = op.endpoints[0] if emulated else op._endpoint
+    launch = engine.validator.check_call(i.xs[0], mix, i.eps, None, None)
+    tokens = i.xs[0].shape[0]
+
+    def launches():
+        engine.publish(endpoint, launch, tokens, finalize=False)
+        engine.consume(endpoint, launch, i.eps, tokens)
+
+    return {
+        "call": _per_call_us(lambda: op(x, *mix, i.eps)),
+        "validation": _per_call_us(lambda: engine.validator.check_call(i.xs[0], mix, i.eps, None, None)),
+        "launches": _per_call_us(launches),
+    }
 
 
 def _format_row(row: Row) -> str:
@@ -289,9 +331,15 @@ def run(hiddens=H_SWEEP, ms=M_SWEEP, hc: int = 4, tps=TP_SWEEP, tp_ms=TP_M_SWEEP
         }
         result.rows += measure_tp1(hidden, hc, ms, ops)
         if hidden == 5120:
+            real, why = single_rank_op(hidden, hc, capacity)
+            op, emulated = (real, False) if real is not None else (ops["full"], True)
+            result.eager_api = "AllReduceMHC (1-rank group, unicast)" if real is not None else f"EmulatedAllReduceMHC tp=1 ({why})"
             for m in (1, 16, 128):
-                result.eager_us[str(m)] = eager_latency_us(ops["full"], make_inputs(1, m, hidden, hc, seed=1))
-                print(f"eager __call__ H{hidden} M{m}: {result.eager_us[str(m)]:.2f} us per call", flush=True)
+                parts = eager_breakdown_us(op, make_inputs(1, m, hidden, hc, seed=1), emulated=emulated)
+                result.eager_us[str(m)] = parts["call"]
+                result.eager_us[f"{m} parts"] = parts
+                print(f"eager {result.eager_api} H{hidden} M{m}: " + ", ".join(f"{k} {v:.2f} us" for k, v in parts.items()), flush=True)
+            del real
         del ops
     for tp in tps:
         result.tp_rows += measure_tp(tp, 5120, hc, tp_ms)
@@ -361,7 +409,8 @@ every time is the median per call of {REPEATS} replays of a CUDA graph of {CALLS
 <h2>Emulated TP, H=5120, hc=4 (consumer per rank = (all - publishes) / tp)</h2>
 <table><tr><th>tp</th><th>M</th><th>all ranks us</th><th>publishes us</th><th>consumer/rank us</th><th>consumer GB/s</th></tr>{tp_rows}</table>
 <h2>Eager __call__ latency (H=5120, hc=4, TP=1, host wall time per call)</h2>
-<p>{", ".join(f"M={m}: {us:.2f} us" for m, us in result.eager_us.items())}</p></body></html>"""
+<p>{html_escape(result.eager_api)}: {", ".join(f"M={m}: {us:.2f} us" for m, us in result.eager_us.items() if not m.endswith("parts"))}</p>
+<p>parts: {html_escape(str({m: v for m, v in result.eager_us.items() if m.endswith("parts")}))}</p></body></html>"""
     (out / "bench.html").write_text(html)
 
 
