@@ -10,6 +10,7 @@ checks its PTX.
 from __future__ import annotations
 
 import functools
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,8 +44,14 @@ def _options(arch: str | None, keep_ptx: bool) -> str:
     if arch is not None:
         options.append(f"--gpu-arch={arch}")
     if keep_ptx:
-        options.append("--keep-ptx")
+        # The DSL also writes the PTX to a file: keep it out of the working directory.
+        options += ["--keep-ptx", f"--dump-dir={_dump_dir()}"]
     return " ".join(options)
+
+
+@functools.cache
+def _dump_dir() -> str:
+    return tempfile.mkdtemp(prefix="mhc_ar_ptx_")
 
 
 def _fake_state():
