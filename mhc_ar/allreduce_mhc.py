@@ -16,6 +16,7 @@ import torch
 from . import validation as check
 from .compile import compile_consumer, compile_publish
 from .config import (
+    DEFAULT_SPIN_TIMEOUT_NS,
     ConsumerSpec,
     Contribution,
     PublishSpec,
@@ -137,13 +138,20 @@ class CallValidator:
 class _Engine:
     """The compiled kernels of one configuration and their launches."""
 
-    def __init__(self, *, hidden_size, hc_mult, max_num_tokens, top_k, tp, device, variant, multicast):
+    def __init__(self, *, hidden_size, hc_mult, max_num_tokens, top_k, tp, device, variant, multicast, spin_timeout_s):
+        if isinstance(spin_timeout_s, bool) or not isinstance(spin_timeout_s, (int, float)) or not spin_timeout_s > 0:
+            raise ValueError(f"spin_timeout_s must be a positive number of seconds, got {spin_timeout_s!r}")
         self.validator = CallValidator(
             hidden_size=hidden_size, hc_mult=hc_mult, max_num_tokens=max_num_tokens, top_k=top_k, variant=variant, device=device
         )
         self.capacity = max_num_tokens
         self.consumer_spec = ConsumerSpec(
-            choose_consumer_tiling(hidden_size), hc=hc_mult, tp=tp, capacity=max_num_tokens, variant=variant
+            choose_consumer_tiling(hidden_size),
+            hc=hc_mult,
+            tp=tp,
+            capacity=max_num_tokens,
+            variant=variant,
+            spin_timeout_ns=int(spin_timeout_s * 1e9),
         )
         common = dict(hidden_size=hidden_size, tp=tp, capacity=max_num_tokens, multicast=multicast)
         self.publish_call = compile_publish(PublishSpec(contribution=Contribution.CALL, top_k=0, **common))
@@ -215,6 +223,8 @@ class AllReduceMHC:
         residual_only: only new_residual (pre and norm_weight must be None).
         group: the TP process group (default: the default group).
         transport: "unicast" (torch symmetric memory) or "multicast" (GB200/GB300 only).
+        spin_timeout_s: a consumer that waits this long for a peer's data traps (the launch fails
+            with a CUDA error on this rank) instead of hanging the GPU forever.
     """
 
     def __init__(
@@ -229,6 +239,7 @@ class AllReduceMHC:
         residual_only: bool = False,
         group=None,
         transport: Transport | str = Transport.UNICAST,
+        spin_timeout_s: float = DEFAULT_SPIN_TIMEOUT_NS / 1e9,
     ):
         import torch.distributed as dist
 
@@ -250,6 +261,7 @@ class AllReduceMHC:
             device=device,
             variant=variant,
             multicast=transport is Transport.MULTICAST,
+            spin_timeout_s=spin_timeout_s,
         )
         make_endpoint = multicast_endpoint if transport is Transport.MULTICAST else unicast_endpoint
         self._endpoint = make_endpoint(group, max_num_tokens, hidden_size, device)
@@ -327,6 +339,7 @@ class EmulatedAllReduceMHC:
         device=None,
         quantize_layer_input: bool = False,
         residual_only: bool = False,
+        spin_timeout_s: float = DEFAULT_SPIN_TIMEOUT_NS / 1e9,
     ):
         if isinstance(tp_size, bool) or not isinstance(tp_size, int):
             raise ValueError(f"tp_size must be an int, got {type(tp_size).__name__}")
@@ -340,6 +353,7 @@ class EmulatedAllReduceMHC:
             device=device,
             variant=_variant(quantize_layer_input, residual_only),
             multicast=False,
+            spin_timeout_s=spin_timeout_s,
         )
         self.endpoints = emulated_endpoints(tp_size, max_num_tokens, hidden_size, device)
         self.tp_size = tp_size

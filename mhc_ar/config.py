@@ -35,7 +35,7 @@ REGISTER_BOUND_MAX_HC = 4
 PUBLISH_THREADS = 128
 # A consumer that has waited this long for a peer's data traps (a CUDA launch error on that
 # rank) instead of spinning forever; healthy calls wait microseconds.
-SPIN_TIMEOUT_NS = 10_000_000_000
+DEFAULT_SPIN_TIMEOUT_NS = 10_000_000_000
 
 
 class Variant(str, enum.Enum):
@@ -145,9 +145,12 @@ class ConsumerSpec:
     tp: int
     capacity: int
     variant: Variant
+    spin_timeout_ns: int = DEFAULT_SPIN_TIMEOUT_NS
 
     def __post_init__(self):
         _check_sizes(self.tiling.hidden_size, self.tp, self.capacity)
+        if not 0 < self.spin_timeout_ns < 2**62:
+            raise ValueError(f"spin timeout must be positive, got {self.spin_timeout_ns} ns")
         if not 1 <= self.hc <= MAX_HC:
             raise ValueError(f"hc_mult must be in [1, {MAX_HC}], got {self.hc}")
         if self.variant is Variant.MXFP8 and self.tiling.hidden_size % (4 * MXFP8_BLOCK):

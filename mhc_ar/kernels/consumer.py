@@ -30,7 +30,6 @@ from flashinfer.quantization.quantization_cute_dsl_utils import (
 from .. import ptx
 from ..config import (
     MXFP8_BLOCK,
-    SPIN_TIMEOUT_NS,
     VECTOR_ELEMS,
     VECTORS_PER_MXFP8_BLOCK,
     WARP_SIZE,
@@ -188,7 +187,7 @@ class ConsumerKernel:
                 w0, w1, w2, w3 = received[r]
                 deadline = Int64(0)
                 while ptx.words_hold_sentinel(w0, w1, w2, w3):
-                    deadline = ptx.spin_deadline(deadline, SPIN_TIMEOUT_NS)
+                    deadline = ptx.spin_deadline(deadline, spec.spin_timeout_ns)
                     w0, w1, w2, w3 = ptx.ld_volatile_v4(slot + rank_stride * r, valid)
                 received[r] = (w0, w1, w2, w3)
             # Re-arm exactly the slots consumed (peers write this generation again 3 calls later).
