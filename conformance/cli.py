@@ -1,0 +1,193 @@
+"""`mhc-ar-conformance` / `python -m conformance`: run, repro, measure-rsqrt, bench.
+
+    mhc-ar-conformance run [--quick | --full] [--tp 1,2] [--hidden 4096] [--hc 4] [--m 1,129]
+                           [--variant full,mxfp8,residual_only] [--op call,finalize]
+                           [--family normal,...|all] [--case ID[,ID...]] [--out reports]
+                           [--run-id ID] [--seed-offset N] [--list]
+    mhc-ar-conformance repro BUNDLE [--reference-only]
+    mhc-ar-conformance measure-rsqrt --out PATH
+    mhc-ar-conformance bench ...
+
+Exit status of run: 0 if everything that ran matched and every check passed (cases not run
+for lack of a GPU do not fail), 1 on any mismatch, error or failed check, 2 on bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from mhc_ar.config import Contribution, Variant
+
+from .cases import Filters, Preset, parse_families, parse_list
+
+# Subcommands whose module lives elsewhere in the package: name -> module with main(args) and,
+# optionally, add_arguments(parser).
+EXTENSIONS = {
+    "measure-rsqrt": ("conformance.rsqrt_measure", "measure the GPU's rsqrt.approx deviation table over [0.5, 2)"),
+    "bench": ("conformance.bench", "latency of the fused kernels by M"),
+}
+
+
+def _int(text: str) -> int:
+    return int(text, 10)
+
+
+def _filters(args) -> Filters:
+    def parsed(name, convert):
+        value = getattr(args, name)
+        return None if value is None else parse_list(value, convert, name)
+
+    return Filters(
+        tp=parsed("tp", _int),
+        hidden=parsed("hidden", _int),
+        hc=parsed("hc", _int),
+        m=parsed("m", _int),
+        op=parsed("op", Contribution),
+        variant=parsed("variant", Variant),
+        family=None if args.family is None else parse_families(args.family),
+    )
+
+
+def _cmd_run(args) -> int:
+    from .run import RunOptions, execute, select_cases
+
+    preset = Preset.QUICK if args.quick else Preset.FULL if args.full else Preset.DEFAULT
+    try:
+        options = RunOptions(
+            preset=preset,
+            filters=_filters(args),
+            case_ids=tuple(i for chunk in args.case or () for i in chunk.split(",") if i.strip()),
+            out=Path(args.out),
+            run_id=args.run_id,
+            seed_offset=args.seed_offset,
+            device=args.device,
+            compile_checks=not args.skip_compile_checks,
+            reference_checks=not args.skip_reference_checks,
+            max_reference_m=args.max_reference_m,
+            max_bundles=args.max_bundles,
+            case_timeout_s=args.case_timeout or None,
+            progress=not args.no_progress,
+        )
+        label, cases = select_cases(options)
+    except ValueError as error:
+        print(f"mhc-ar-conformance run: {error}", file=sys.stderr)
+        return 2
+    if args.list:
+        for case in cases:
+            print(case.id)
+        print(f"{len(cases)} cases ({label})")
+        return 0
+    report = execute(options)
+    run_dir = Path(options.out) / report.run_id
+    print(report.summary_line())
+    print(f"report: {run_dir / 'index.html'}  results: {run_dir / 'results.json'}  junit: {run_dir / 'junit.xml'}")
+    return report.exit_code
+
+
+def _cmd_repro(args) -> int:
+    from .bundle import BundleError, load_bundle
+    from .repro import replay
+
+    try:
+        bundle = load_bundle(args.bundle)
+    except BundleError as error:
+        print(f"mhc-ar-conformance repro: {error}", file=sys.stderr)
+        return 2
+    return replay(bundle, reference_only=args.reference_only, device=args.device)
+
+
+def _extension(module_name: str):
+    """The module of an extension subcommand, or the reason it cannot be loaded."""
+    try:
+        return importlib.import_module(module_name), None
+    except ModuleNotFoundError as error:
+        if error.name == module_name:
+            return None, f"{module_name} is not part of this installation yet"
+        return None, f"{module_name} cannot be imported: {error}"
+    except Exception as error:  # a broken extension must not break `run` and `repro`
+        return None, f"{module_name} cannot be imported: {type(error).__name__}: {error}"
+
+
+def _add_extension(subparsers, name: str, module_name: str, help_text: str) -> None:
+    parser = subparsers.add_parser(name, help=help_text)
+    module, problem = _extension(module_name)
+    if module is not None and hasattr(module, "add_arguments"):
+        module.add_arguments(parser)
+    elif name == "measure-rsqrt":
+        parser.add_argument("--out", required=True, type=Path, help="where to write the *.i8.zlib table")
+    else:
+        parser.add_argument("options", nargs=argparse.REMAINDER, help=f"passed to {module_name}")
+
+    def call(args) -> int:
+        loaded, why = _extension(module_name)
+        if loaded is None:
+            print(f"mhc-ar-conformance {name}: {why}", file=sys.stderr)
+            return 2
+        code = loaded.main(args)
+        return 0 if code is None else int(code)
+
+    parser.set_defaults(func=call)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mhc-ar-conformance",
+        description="Bit-exactness gate, reproducer and coverage report of the mhc-ar kernels.",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True)
+
+    run = subparsers.add_parser("run", help="run the case matrix, write reports/<run-id>/")
+    size = run.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="a small covering subset (~50 cases) for CI")
+    size.add_argument("--full", action="store_true", help="the complete matrix (3456 cases)")
+    for name, what in (
+        ("tp", "TP sizes"),
+        ("hidden", "hidden sizes"),
+        ("hc", "hc values"),
+        ("m", "token counts M"),
+        ("variant", "full, mxfp8, residual_only"),
+        ("op", "call, finalize"),
+    ):
+        run.add_argument(f"--{name}", help=f"comma list of {what}")
+    run.add_argument(
+        "--family",
+        help="comma list of input families (or 'all'): every selected shape is run with each; "
+        "default: the family the matrix assigns to each shape",
+    )
+    run.add_argument("--case", action="append", help="run exactly these case ids (comma list; repeatable)")
+    run.add_argument("--out", default="reports", help="report directory (default: reports)")
+    run.add_argument("--run-id", help="name of the run's subdirectory (default: time and preset)")
+    run.add_argument("--seed-offset", type=int, default=0, help="added to every case's id-derived seed")
+    run.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda if available)")
+    run.add_argument("--max-reference-m", type=int, default=16, help="reference-vs-float64 checks for cases with M <= this")
+    run.add_argument("--max-bundles", type=int, default=20, help="write at most this many reproducer bundles")
+    run.add_argument("--case-timeout", type=float, default=300.0, help="seconds before a hung case aborts the run (0: never)")
+    run.add_argument("--skip-compile-checks", action="store_true", help="do not compile for every arch / check PTX")
+    run.add_argument("--skip-reference-checks", action="store_true", help="do not check the reference against float64")
+    run.add_argument("--no-progress", action="store_true", help="no progress output")
+    run.add_argument("--list", action="store_true", help="print the selected case ids and exit")
+    run.set_defaults(func=_cmd_run)
+
+    repro = subparsers.add_parser("repro", help="replay a reproducer bundle")
+    repro.add_argument("bundle", type=Path, help="a .mhcbundle file")
+    repro.add_argument("--reference-only", action="store_true", help="compare the recorded kernel outputs only (no GPU needed)")
+    repro.add_argument("--device", help="GPU to rerun the kernel on (default: cuda)")
+    repro.set_defaults(func=_cmd_repro)
+
+    for name, (module_name, help_text) in EXTENSIONS.items():
+        _add_extension(subparsers, name, module_name, help_text)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,502 @@
+"""Reports of a run: results.json (machine-readable, see conformance.schema) and index.html.
+
+index.html is one self-contained file (inline CSS and inline SVG, no script, no network) that
+reads well opened from disk: counts, environment, the coverage matrix (TP x H rows, hc x
+variant x op columns, each cell passed/total over its M values and families), per-M and
+per-family tables, the PTX contract per arch and kernel, the reference-vs-float64 checks, the
+failures with links to their bundles and repro commands, and a time-per-case plot.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from .cases import FAMILIES, OPS, VARIANTS
+from .ptx_contract import KernelContract
+from .reference_checks import ReferenceCheck
+from .runner import CaseResult, Status
+from .schema import RESULTS_SCHEMA_VERSION
+
+
+@dataclass
+class RunReport:
+    run_id: str
+    preset: str
+    filters: dict
+    seed_offset: int
+    mode: str  # gpu | cpu
+    started_at: str
+    finished_at: str
+    environment: dict
+    timings: dict
+    cases: list[CaseResult] = field(default_factory=list)
+    compile_checks: list[KernelContract] = field(default_factory=list)
+    reference_checks: list[ReferenceCheck] = field(default_factory=list)
+    bench: dict | None = None  # filled by `mhc-ar-conformance bench` later
+
+    def case_counts(self) -> dict[str, int]:
+        counts = {s.value: 0 for s in Status}
+        for result in self.cases:
+            counts[result.status.value] += 1
+        return {"total": len(self.cases), **counts}
+
+    def compile_counts(self) -> dict[str, int]:
+        return _tally((c.status for c in self.compile_checks), ("pass", "fail", "error"))
+
+    def reference_counts(self) -> dict[str, int]:
+        return _tally((c.status for c in self.reference_checks), ("pass", "fail", "error"))
+
+    @property
+    def exit_code(self) -> int:
+        """0 only if everything that ran matched and every check passed (not run is no failure)."""
+        cases = self.case_counts()
+        bad = cases["mismatch"] + cases["error"]
+        bad += sum(v for k, v in self.compile_counts().items() if k in ("fail", "error"))
+        bad += sum(v for k, v in self.reference_counts().items() if k in ("fail", "error"))
+        return 1 if bad else 0
+
+    def to_dict(self) -> dict:
+        return _json_safe(
+            {
+                "schema_version": RESULTS_SCHEMA_VERSION,
+                "run_id": self.run_id,
+                "preset": self.preset,
+                "filters": self.filters,
+                "seed_offset": self.seed_offset,
+                "mode": self.mode,
+                "started_at": self.started_at,
+                "finished_at": self.finished_at,
+                "environment": self.environment,
+                "timings": {k: round(v, 4) for k, v in self.timings.items()},
+                "counts": {
+                    "cases": self.case_counts(),
+                    "compile_checks": self.compile_counts(),
+                    "reference_checks": self.reference_counts(),
+                },
+                "exit_code": self.exit_code,
+                "cases": [r.to_dict() for r in self.cases],
+                "compile_checks": [c.to_dict() for c in self.compile_checks],
+                "reference_checks": [c.to_dict() for c in self.reference_checks],
+                "bench": self.bench,
+            }
+        )
+
+    def summary_line(self) -> str:
+        c = self.case_counts()
+        k = self.compile_counts()
+        r = self.reference_counts()
+        verdict = "PASS" if self.exit_code == 0 else "FAIL"
+        return (
+            f"{verdict} mhc-ar conformance {self.run_id} ({self.preset}, {self.mode}): {c['total']} cases: "
+            f"{c['pass']} pass, {c['mismatch']} mismatch, {c['error']} error, {c['not_run']} not run | "
+            f"PTX contract {k['pass']}/{k['total']} kernels | reference vs float64 {r['pass']}/{r['total']} | "
+            f"{self.timings.get('total_s', 0.0):.1f} s"
+        )
+
+
+def _tally(statuses: Iterable[str], keys: Sequence[str]) -> dict[str, int]:
+    counts = {k: 0 for k in keys}
+    total = 0
+    for status in statuses:
+        counts[status] = counts.get(status, 0) + 1
+        total += 1
+    return {"total": total, **counts}
+
+
+def _json_safe(value):
+    """JSON has no NaN/Inf: non-finite floats become strings."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def write_results_json(report: RunReport, path) -> Path:
+    path = Path(path)
+    path.write_text(json.dumps(report.to_dict(), indent=1, allow_nan=False))
+    return path
+
+
+# ----- HTML ---------------------------------------------------------------------------------------
+
+_CSS = """
+body{font:14px/1.4 system-ui,-apple-system,Segoe UI,sans-serif;margin:1.5em;color:#222;max-width:1500px}
+h1{font-size:1.5em;margin:0 0 .3em} h2{font-size:1.2em;margin:1.6em 0 .5em;border-bottom:1px solid #ccc}
+table{border-collapse:collapse;margin:.4em 0} th,td{border:1px solid #ccc;padding:2px 6px;text-align:left;vertical-align:top}
+th{background:#f3f3f3;font-weight:600} td.num{text-align:right}
+.matrix td{text-align:center;min-width:3.2em;font-variant-numeric:tabular-nums}
+.pass{background:#c8ecc8} .fail{background:#f4b6b6;font-weight:600} .notrun{background:#e2e2e2;color:#555}
+.partial{background:#f6e7b0} .empty{background:#fff}
+.badge{display:inline-block;padding:3px 10px;border-radius:10px;margin-right:6px;font-weight:600}
+.verdict{font-size:1.1em;padding:4px 14px}
+code,pre{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12.5px}
+pre{background:#f7f7f7;padding:6px;overflow-x:auto;max-height:20em}
+details{margin:.3em 0} summary{cursor:pointer}
+.legend span{display:inline-block;padding:0 8px;margin-right:6px;border:1px solid #ccc}
+.small{color:#666;font-size:12px} .scroll{overflow-x:auto}
+"""
+
+
+def _e(value) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _status_class(statuses: Sequence[str]) -> str:
+    if not statuses:
+        return "empty"
+    if any(s in ("mismatch", "error", "fail") for s in statuses):
+        return "fail"
+    if all(s == "not_run" for s in statuses):
+        return "notrun"
+    if all(s == "pass" for s in statuses):
+        return "pass"
+    return "partial"
+
+
+def _badge(label: str, count: int, css: str) -> str:
+    return f'<span class="badge {css}">{_e(label)}: {count}</span>'
+
+
+def _header(report: RunReport) -> str:
+    c = report.case_counts()
+    k = report.compile_counts()
+    r = report.reference_counts()
+    ok = report.exit_code == 0
+    gpu = report.environment.get("gpu")
+    where = f"GPU: {gpu['name']} (sm {gpu['capability']})" if gpu else "no GPU: kernels compiled and PTX-checked, not run"
+    parts = [
+        f"<h1>mhc-ar conformance: run {_e(report.run_id)}</h1>",
+        f'<p><span class="badge verdict {"pass" if ok else "fail"}">{"PASS" if ok else "FAIL"}</span>'
+        f" preset <b>{_e(report.preset)}</b>, {_e(where)}, total {report.timings.get('total_s', 0.0):.1f} s,"
+        f" started {_e(report.started_at)}</p>",
+        "<p>",
+        _badge("pass", c["pass"], "pass"),
+        _badge("mismatch", c["mismatch"], "fail" if c["mismatch"] else "empty"),
+        _badge("error", c["error"], "fail" if c["error"] else "empty"),
+        _badge("not run", c["not_run"], "notrun"),
+        f" of {c['total']} cases &nbsp;|&nbsp; PTX contract: {k['pass']}/{k['total']} kernels pass"
+        f" &nbsp;|&nbsp; reference vs float64: {r['pass']}/{r['total']} pass</p>",
+    ]
+    if report.filters:
+        filters = ", ".join(f"{k}={','.join(map(str, v))}" for k, v in report.filters.items())
+        parts.append(f'<p class="small">filters: {_e(filters)}; seed offset {report.seed_offset}</p>')
+    timings = ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in report.timings.items())
+    parts.append(f'<p class="small">time: {_e(timings)}</p>')
+    return "\n".join(parts)
+
+
+def _environment(report: RunReport) -> str:
+    env = report.environment
+    rows = []
+    gpu = env.get("gpu")
+    if gpu:
+        rows += [("GPU", gpu.get("name")), ("compute capability", gpu.get("capability")), ("driver", gpu.get("driver")),
+                 ("CUDA runtime", gpu.get("cuda_runtime"))]
+    else:
+        rows.append(("GPU", "none"))
+    for name, version in env.get("versions", {}).items():
+        rows.append((name, version))
+    rows += [("host", env.get("hostname")), ("platform", env.get("platform")), ("git commit", env.get("git_commit"))]
+    body = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in rows)
+    return f"<h2>Environment</h2><table>{body}</table>"
+
+
+def _coverage_matrix(results: Sequence[CaseResult]) -> str:
+    cells = defaultdict(list)
+    rows, hcs = set(), set()
+    for r in results:
+        c = r.case
+        rows.add((c.tp, c.hidden))
+        hcs.add(c.hc)
+        cells[(c.tp, c.hidden, c.hc, c.variant, c.op)].append(r)
+    rows, hcs = sorted(rows), sorted(hcs)
+    variants = [v for v in VARIANTS if any(r.case.variant is v for r in results)]
+    ops = [o for o in OPS if any(r.case.op is o for r in results)]
+    width = len(variants) * len(ops)
+    head = ['<tr><th rowspan="3">TP</th><th rowspan="3">H</th>']
+    head += [f'<th colspan="{width}">hc = {hc}</th>' for hc in hcs]
+    head.append("</tr><tr>")
+    head += [f'<th colspan="{len(ops)}">{_e(v.value)}</th>' for _ in hcs for v in variants]
+    head.append("</tr><tr>")
+    head += [f"<th>{_e(o.value)}</th>" for _ in hcs for _ in variants for o in ops]
+    head.append("</tr>")
+    body = []
+    for tp, hidden in rows:
+        body.append(f"<tr><th>{tp}</th><th>{hidden}</th>")
+        for hc in hcs:
+            for variant in variants:
+                for op in ops:
+                    group = cells.get((tp, hidden, hc, variant, op), [])
+                    body.append(_matrix_cell(group))
+        body.append("</tr>")
+    legend = (
+        '<p class="legend small"><span class="pass">all pass</span><span class="fail">any mismatch or error</span>'
+        '<span class="notrun">not run</span><span class="partial">partly run</span>'
+        " each cell: passed / cases over its M values and input families (hover for the cases)</p>"
+    )
+    table = f'<table class="matrix">{"".join(head)}{"".join(body)}</table>'
+    return f'<h2>Coverage matrix</h2>{legend}<div class="scroll">{table}</div>'
+
+
+def _matrix_cell(group: Sequence[CaseResult]) -> str:
+    if not group:
+        return '<td class="empty"></td>'
+    statuses = [r.status.value for r in group]
+    passed = statuses.count("pass")
+    title = "\n".join(f"M={r.case.m} {r.case.family.value}: {r.status.value}" for r in sorted(group, key=lambda r: r.case.m))
+    return f'<td class="{_status_class(statuses)}" title="{_e(title)}">{passed}/{len(group)}</td>'
+
+
+def _breakdown(results: Sequence[CaseResult], key, label: str, order: Sequence) -> str:
+    groups = defaultdict(list)
+    for r in results:
+        groups[key(r.case)].append(r)
+    rows = []
+    for value in [v for v in order if v in groups]:
+        group = groups[value]
+        counts = {s.value: sum(1 for r in group if r.status is s) for s in Status}
+        families = sorted({r.case.family.value for r in group})
+        css = _status_class([r.status.value for r in group])
+        rows.append(
+            f'<tr><th>{_e(getattr(value, "value", value))}</th><td class="num {css}">{len(group)}</td>'
+            + "".join(f'<td class="num">{counts[s.value]}</td>' for s in Status)
+            + f'<td class="small">{_e(", ".join(families))}</td></tr>'
+        )
+    head = f"<tr><th>{_e(label)}</th><th>cases</th>" + "".join(f"<th>{_e(s.value)}</th>" for s in Status) + "<th>families</th></tr>"
+    return f"<table>{head}{''.join(rows)}</table>"
+
+
+def _ptx_section(contracts: Sequence[KernelContract]) -> str:
+    if not contracts:
+        return "<h2>PTX contract</h2><p>not checked in this run</p>"
+    archs = list(dict.fromkeys(c.arch for c in contracts))
+    kernels = list(dict.fromkeys((c.kind, c.variant) for c in contracts))
+    by = {(c.arch, c.kind, c.variant): c for c in contracts}
+    head = "<tr><th>kernel</th><th>variant</th>" + "".join(f"<th>{_e(a)}</th>" for a in archs) + "</tr>"
+    rows = []
+    for kind, variant in kernels:
+        row = f"<tr><th>{_e(kind)}</th><td>{_e(variant)}</td>"
+        for arch in archs:
+            c = by.get((arch, kind, variant))
+            if c is None:
+                row += '<td class="empty"></td>'
+                continue
+            passed = sum(ch.passed for ch in c.checks)
+            failed = [ch.name for ch in c.checks if not ch.passed]
+            title = "failed: " + "; ".join(failed) if failed else "all checks pass"
+            text = "compile error" if c.status == "error" else f"{passed}/{len(c.checks)}"
+            link = f' <a href="{_e(c.ptx_file)}">ptx</a>' if c.ptx_file else ""
+            row += f'<td class="{_status_class([c.status])}" title="{_e(title)}">{_e(text)}{link}</td>'
+        rows.append(row + "</tr>")
+    details = []
+    for c in contracts:
+        items = "".join(
+            f'<tr><td class="{"pass" if ch.passed else "fail"}">{"pass" if ch.passed else "FAIL"}</td>'
+            f"<td>{_e(ch.name)}</td><td><code>{_e(ch.message)}</code></td></tr>"
+            for ch in c.checks
+        )
+        error = f"<pre>{_e(c.error)}</pre>" if c.error else ""
+        open_attr = " open" if c.status != "pass" else ""
+        details.append(
+            f"<details{open_attr}><summary>{_e(c.arch)} {_e(c.kernel)}: {_e(c.status)} "
+            f"({c.compile_s:.2f} s)</summary>{error}<table>{items}</table></details>"
+        )
+    return (
+        "<h2>PTX contract</h2><p class=\"small\">every kernel variant compiled for every target arch; each cell:"
+        " checks passed / checks (hover for failures)</p>"
+        f"<table>{head}{''.join(rows)}</table>{''.join(details)}"
+    )
+
+
+def _reference_section(checks: Sequence[ReferenceCheck]) -> str:
+    if not checks:
+        return "<h2>Reference vs float64 model</h2><p>not checked in this run</p>"
+    stages = list(dict.fromkeys(s.stage for c in checks for s in c.stages))
+    families = [f for f in FAMILIES if any(c.case.family is f for c in checks)]
+    head = "<tr><th>family</th><th>cases</th>" + "".join(f"<th>{_e(s)}</th>" for s in stages) + "</tr>"
+    rows = []
+    for family in families:
+        group = [c for c in checks if c.case.family is family]
+        row = f'<tr><th>{_e(family.value)}</th><td class="num {_status_class([c.status for c in group])}">{len(group)}</td>'
+        for stage in stages:
+            results = [s for c in group for s in c.stages if s.stage == stage]
+            if not results:
+                row += '<td class="empty"></td>'
+                continue
+            judged = [s for s in results if s.judged]
+            css = "notrun" if not judged else ("pass" if all(s.passed for s in judged) else "fail")
+            ratios = [s.bound_ratio for s in results if s.bound_ratio is not None]
+            text = f"{max(s.max_ulps for s in results)} ulp"
+            if ratios:
+                text += f", {max(ratios):.2f} of bound"
+            if not judged:
+                text += " (not judged)"
+            notes = sorted({s.note for s in results if s.note})
+            row += f'<td class="{css}" title="{_e(chr(10).join(notes))}">{_e(text)}</td>'
+        rows.append(row + "</tr>")
+    per_case = "".join(
+        f'<tr><td class="{_status_class([c.status])}">{_e(c.status)}</td><td><code>{_e(c.case.id)}</code></td>'
+        f'<td class="num">{c.seconds:.2f}</td><td class="small">{_e(c.summary() if c.status != "pass" else "")}</td></tr>'
+        for c in checks
+    )
+    explanation = (
+        '<p class="small">rms_norm and MXFP8 stages: largest distance in bf16 ulps / e4m3 codes / scale steps from the'
+        " float64 model (bound 1). Accumulating stages (contribution, reduce, post_mix, collapse): judged by the fp32"
+        " accumulation error bound (shown as the largest fraction of it used); their ulps are shown for reference.</p>"
+    )
+    return (
+        f"<h2>Reference vs float64 model</h2>{explanation}<table>{head}{''.join(rows)}</table>"
+        f"<details><summary>every checked case ({len(checks)})</summary><table><tr><th>status</th><th>case</th>"
+        f"<th>s</th><th>detail</th></tr>{per_case}</table></details>"
+    )
+
+
+def _failures(report: RunReport) -> str:
+    items = []
+    for r in report.cases:
+        if r.status not in (Status.MISMATCH, Status.ERROR):
+            continue
+        detail = ""
+        if r.mismatches:
+            detail = "<ul>" + "".join(f"<li><code>{_e(m.describe())}</code> [vs {_e(m.oracle)}]</li>" for m in r.mismatches[:8]) + "</ul>"
+        if r.error:
+            detail += f"<pre>{_e(r.error[-3000:])}</pre>"
+        bundle = f' <a href="{_e(r.bundle)}">bundle</a>' if r.bundle else ""
+        repro = f"python -m conformance repro {r.bundle}" if r.bundle else ""
+        items.append(
+            f'<li><span class="badge fail">{_e(r.status.value)}</span><code>{_e(r.case.id)}</code>{bundle}'
+            f"{detail}<div>re-run: <code>{_e(r.case.repro_command)}</code></div>"
+            + (f"<div>replay: <code>{_e(repro)}</code></div>" if repro else "")
+            + "</li>"
+        )
+    for c in report.compile_checks:
+        if c.status != "pass":
+            failed = "; ".join(f"{ch.name}: {ch.message}" for ch in c.checks if not ch.passed) or (c.error or "")[-500:]
+            items.append(f'<li><span class="badge fail">PTX {_e(c.status)}</span><code>{_e(c.arch)} {_e(c.kernel)}</code>: {_e(failed)}</li>')
+    for c in report.reference_checks:
+        if c.status != "pass":
+            items.append(f'<li><span class="badge fail">reference {_e(c.status)}</span><code>{_e(c.summary())}</code></li>')
+    if not items:
+        return "<h2>Failures</h2><p>none</p>"
+    return f"<h2>Failures ({len(items)})</h2><ul>{''.join(items)}</ul>"
+
+
+# ----- inline SVG scatter plot --------------------------------------------------------------------
+
+_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")
+
+
+def svg_scatter(
+    series: dict[str, Sequence[tuple[float, float]]],
+    *,
+    title: str,
+    x_label: str,
+    y_label: str,
+    width: int = 760,
+    height: int = 330,
+) -> str:
+    """A log-log scatter plot as inline SVG (points must be positive). One color per series."""
+    points = [(x, y) for values in series.values() for x, y in values if x > 0 and y > 0]
+    if not points:
+        return f"<p>{_e(title)}: no data</p>"
+    left, right, top, bottom = 70, 150, 30, 45
+    lx = [math.log10(x) for x, _ in points]
+    ly = [math.log10(y) for _, y in points]
+    x0, x1 = math.floor(min(lx)), math.ceil(max(lx)) if max(lx) > math.floor(min(lx)) else math.floor(min(lx)) + 1
+    y0, y1 = math.floor(min(ly)), math.ceil(max(ly)) if max(ly) > math.floor(min(ly)) else math.floor(min(ly)) + 1
+    plot_w, plot_h = width - left - right, height - top - bottom
+
+    def sx(x):
+        return left + (math.log10(x) - x0) / (x1 - x0) * plot_w
+
+    def sy(y):
+        return top + plot_h - (math.log10(y) - y0) / (y1 - y0) * plot_h
+
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" aria-label="{_e(title)}">',
+        f'<text x="{left}" y="18" font-size="14" font-weight="600">{_e(title)}</text>',
+        f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#999"/>',
+    ]
+    for e in range(x0, x1 + 1):
+        for k in (1, 2, 5) if x1 - x0 <= 3 else (1,):
+            x = k * 10.0**e
+            if not 10.0**x0 <= x <= 10.0**x1:
+                continue
+            px = sx(x)
+            parts.append(f'<line x1="{px:.1f}" y1="{top}" x2="{px:.1f}" y2="{top + plot_h}" stroke="#eee"/>')
+            parts.append(f'<text x="{px:.1f}" y="{top + plot_h + 15}" font-size="11" text-anchor="middle">{x:g}</text>')
+    for e in range(y0, y1 + 1):
+        py = sy(10.0**e)
+        parts.append(f'<line x1="{left}" y1="{py:.1f}" x2="{left + plot_w}" y2="{py:.1f}" stroke="#eee"/>')
+        parts.append(f'<text x="{left - 6}" y="{py + 4:.1f}" font-size="11" text-anchor="end">{10.0**e:g}</text>')
+    parts.append(f'<text x="{left + plot_w / 2}" y="{height - 8}" font-size="12" text-anchor="middle">{_e(x_label)}</text>')
+    parts.append(
+        f'<text x="16" y="{top + plot_h / 2}" font-size="12" text-anchor="middle" '
+        f'transform="rotate(-90 16 {top + plot_h / 2})">{_e(y_label)}</text>'
+    )
+    for i, (name, values) in enumerate(series.items()):
+        color = _COLORS[i % len(_COLORS)]
+        for x, y in values:
+            if x > 0 and y > 0:
+                parts.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="{color}" fill-opacity="0.6"/>')
+        ly_ = top + 14 + 18 * i
+        parts.append(f'<circle cx="{left + plot_w + 14}" cy="{ly_ - 4}" r="4" fill="{color}"/>')
+        parts.append(f'<text x="{left + plot_w + 24}" y="{ly_}" font-size="12">{_e(name)} ({len(values)})</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _timing_plot(report: RunReport) -> str:
+    series: dict[str, list[tuple[float, float]]] = {}
+    kernel = [(r.case.m, 1e3 * r.timings["kernel_s"]) for r in report.cases if "kernel_s" in r.timings]
+    reference = [(r.case.m, 1e3 * r.timings["reference_s"]) for r in report.cases if "reference_s" in r.timings]
+    if kernel:
+        series["kernel call (incl. sync)"] = kernel
+    if reference:
+        series["reference (same device)"] = reference
+    checks = [(c.case.m, 1e3 * c.seconds) for c in report.reference_checks if c.seconds > 0]
+    if checks:
+        series["reference + float64 check"] = checks
+    plot = svg_scatter(series, title="time per case by M", x_label="M (tokens)", y_label="ms")
+    return f"<h2>Time per case</h2>{plot}"
+
+
+def render_html(report: RunReport) -> str:
+    results = report.cases
+    body = [
+        _header(report),
+        _environment(report),
+        _coverage_matrix(results) if results else "<h2>Coverage matrix</h2><p>no cases</p>",
+        "<h2>By token count M</h2>",
+        _breakdown(results, lambda c: c.m, "M", sorted({r.case.m for r in results})),
+        "<h2>By input family</h2>",
+        _breakdown(results, lambda c: c.family, "family", FAMILIES),
+        _ptx_section(report.compile_checks),
+        _reference_section(report.reference_checks),
+        _failures(report),
+        _timing_plot(report),
+        '<p class="small">results.json holds everything on this page; junit.xml one test case per case and check.</p>',
+    ]
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f"<title>mhc-ar conformance {_e(report.run_id)}</title><style>{_CSS}</style></head>"
+        f"<body>{''.join(body)}</body></html>\n"
+    )
+
+
+def write_html(report: RunReport, path) -> Path:
+    path = Path(path)
+    path.write_text(render_html(report), encoding="utf-8")
+    return path
+
+
+__all__ = ["RunReport", "render_html", "svg_scatter", "write_html", "write_results_json"]

@@ -1,0 +1,250 @@
+"""One conformance run: compile + PTX contract, reference vs float64, every case, the reports.
+
+`execute(options)` does the whole job and returns the RunReport; the CLI only parses
+arguments. With a GPU the cases run on the real kernels (EmulatedKernelBackend); without one
+every kernel cell is "not run: no GPU" while the compile/PTX and reference checks still run.
+Tests pass their own backend (e.g. ReferenceKernelBackend with a planted flip).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .bundle import bundle_name, write_bundle
+from .cases import Case, Filters, Preset, cases_from_ids, preset_cases
+from .environment import collect_environment
+from .junit import write_junit
+from .ptx_contract import check_compiled_variants
+from .reference_checks import check_reference, reference_check_cases
+from .report import RunReport, write_html, write_results_json
+from .runner import CaseRun, EmulatedKernelBackend, KernelBackend, Status, Watchdog, flashinfer_mxfp8, not_run, run_cases
+
+DEFAULT_MAX_BUNDLES = 20  # a systematic bug must not fill the disk with GBs of bundles
+DEFAULT_CASE_TIMEOUT_S = 300.0  # includes the first compile of a new kernel instance
+DEFAULT_MAX_REFERENCE_M = 16
+
+
+@dataclass
+class RunOptions:
+    preset: Preset = Preset.DEFAULT
+    filters: Filters = field(default_factory=Filters)
+    case_ids: Sequence[str] = ()  # instead of a preset
+    out: Path = Path("reports")
+    run_id: str | None = None
+    seed_offset: int = 0
+    device: str | None = None  # None: cuda if available, else cpu
+    compile_checks: bool = True
+    archs: Sequence[str] | None = None  # None: mhc_ar.compile.TARGET_ARCHS
+    reference_checks: bool = True
+    max_reference_m: int = DEFAULT_MAX_REFERENCE_M
+    max_bundles: int = DEFAULT_MAX_BUNDLES
+    case_timeout_s: float | None = DEFAULT_CASE_TIMEOUT_S
+    progress: bool = True
+
+
+def select_cases(options: RunOptions) -> tuple[str, list[Case]]:
+    """(preset label, cases); raises ValueError if nothing matches."""
+    if options.case_ids:
+        return "cases", cases_from_ids(options.case_ids, seed_offset=options.seed_offset)
+    cases = preset_cases(options.preset, options.filters, seed_offset=options.seed_offset)
+    if not cases:
+        raise ValueError(f"no case of preset {Preset(options.preset).value} matches the filters {options.filters.to_dict()}")
+    return Preset(options.preset).value, cases
+
+
+class Progress:
+    """tqdm on a terminal; elsewhere (CI logs) a line every tenth of the way."""
+
+    def __init__(self, total: int, label: str, enabled: bool = True):
+        self.total, self.label, self.done = total, label, 0
+        self.enabled = enabled and total > 0
+        self.bar = None
+        if self.enabled and sys.stdout.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=label, file=sys.stdout, dynamic_ncols=True)
+        self.every = max(1, total // 10)
+
+    def update(self, note: str = "") -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.update(1)
+            if note:
+                self.bar.set_postfix_str(note, refresh=False)
+        elif self.done % self.every == 0 or self.done == self.total:
+            print(f"[{self.label}] {self.done}/{self.total} {note}".rstrip(), flush=True)
+
+    def write(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def default_run_id(preset: str) -> str:
+    return f"{_dt.datetime.now():%Y%m%d-%H%M%S}-{preset}"
+
+
+def execute(options: RunOptions, *, backend: KernelBackend | None = None) -> RunReport:
+    """Run everything and write index.html, results.json, junit.xml (and bundles/) under
+    options.out / run_id. Returns the report (report.exit_code is the process exit code)."""
+    start = time.perf_counter()
+    started_at = _now()
+    preset, cases = select_cases(options)
+    run_id = options.run_id or default_run_id(preset)
+    run_dir = Path(options.out) / run_id
+    (run_dir / "bundles").mkdir(parents=True, exist_ok=True)
+    if backend is not None:
+        device = torch.device(backend.device)
+    else:
+        device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    mode = "gpu" if device.type == "cuda" else "cpu"
+    report = RunReport(
+        run_id=run_id,
+        preset=preset,
+        filters={} if options.case_ids else options.filters.to_dict(),
+        seed_offset=options.seed_offset,
+        mode=mode,
+        started_at=started_at,
+        finished_at=started_at,
+        environment=collect_environment(device),
+        timings={"total_s": 0.0, "compile_s": 0.0, "reference_checks_s": 0.0, "cases_s": 0.0},
+    )
+    if options.case_ids:
+        report.filters = {"case": list(options.case_ids)}
+
+    def finish() -> RunReport:
+        report.finished_at = _now()
+        report.timings["total_s"] = time.perf_counter() - start
+        write_results_json(report, run_dir / "results.json")
+        write_junit(report, run_dir / "junit.xml")
+        write_html(report, run_dir / "index.html")
+        return report
+
+    if options.compile_checks:
+        t = time.perf_counter()
+        archs = list(options.archs) if options.archs else None
+        from mhc_ar.compile import TARGET_ARCHS, kernel_variants
+
+        total = len(archs or TARGET_ARCHS) * len(kernel_variants())
+        progress = Progress(total, "compile + PTX contract", options.progress)
+
+        def on_compiled(contract):
+            progress.update(f"{contract.arch} {contract.kernel}")
+            if contract.status != "pass":
+                failed = [c.name for c in contract.checks if not c.passed] or ["compile error"]
+                progress.write(f"FAIL     PTX {contract.arch} {contract.kernel}: {', '.join(failed)}")
+
+        report.compile_checks = check_compiled_variants(archs, ptx_dir=run_dir / "ptx", on_result=on_compiled)
+        progress.close()
+        report.timings["compile_s"] = time.perf_counter() - t
+
+    if options.reference_checks:
+        t = time.perf_counter()
+        subset = reference_check_cases(cases, options.max_reference_m)
+        progress = Progress(len(subset), f"reference vs float64 (M <= {options.max_reference_m})", options.progress)
+        for case in subset:
+            check = check_reference(case, device)
+            report.reference_checks.append(check)
+            progress.update(case.id)
+            if check.status != "pass":
+                progress.write(check.summary())
+        progress.close()
+        report.timings["reference_checks_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    if backend is None and mode == "gpu":
+        backend = EmulatedKernelBackend(device)
+    if backend is None:
+        reason = "not run: no GPU" if not torch.cuda.is_available() else f"not run: --device {device}"
+        report.cases = [not_run(case, reason) for case in cases]
+    else:
+        report.cases = _run_with_bundles(cases, backend, options, run_dir, report, finish)
+    report.timings["cases_s"] = time.perf_counter() - t
+    return finish()
+
+
+def _run_with_bundles(cases, backend, options: RunOptions, run_dir: Path, report: RunReport, finish):
+    progress = Progress(len(cases), "cases", options.progress)
+    done: dict[str, object] = {}
+    bundles_written = 0
+    second_oracle = flashinfer_mxfp8 if torch.device(backend.device).type == "cuda" else None
+
+    def on_run(run: CaseRun) -> None:
+        nonlocal bundles_written
+        result = run.result
+        done[result.case.id] = result
+        if result.status is Status.MISMATCH:
+            if bundles_written < options.max_bundles and run.inputs is not None and run.kernel is not None:
+                path = run_dir / "bundles" / bundle_name(result.case)
+                try:
+                    write_bundle(
+                        path,
+                        case=result.case,
+                        inputs=run.inputs,
+                        kernel=run.kernel,
+                        tree=run.tree,
+                        mismatches=result.mismatches,
+                        environment=report.environment,
+                    )
+                    result.bundle = f"bundles/{path.name}"
+                    bundles_written += 1
+                except Exception as error:  # a bundle problem must not hide the mismatch itself
+                    result.note = f"bundle not written: {error}"
+            else:
+                result.note = f"bundle not written (limit of {options.max_bundles} reached)"
+        if result.status in (Status.MISMATCH, Status.ERROR):
+            progress.write(result.summary())
+            progress.write(f"         repro: {result.case.repro_command}")
+        progress.update(result.status.value)
+
+    def on_timeout(case: Case) -> None:
+        # The process is stuck in a CUDA call (a consumer spinning forever?): write what is
+        # known and leave; nothing else can interrupt the hung kernel.
+        results = []
+        for c in cases:
+            if c.id in done:
+                results.append(done[c.id])
+            elif c.id == case.id:
+                hung = not_run(c, "")
+                hung.status, hung.reason = Status.ERROR, None
+                hung.error = f"timeout: no result after {options.case_timeout_s} s (kernel hang?); run aborted"
+                results.append(hung)
+            else:
+                results.append(not_run(c, f"not run: run aborted after {case.id} timed out"))
+        report.cases = results
+        progress.write(f"ERROR    {case.id}: timed out after {options.case_timeout_s} s; writing the report and exiting")
+        finish()
+        print(report.summary_line(), flush=True)
+        os._exit(1)
+
+    watchdog = Watchdog(options.case_timeout_s, on_timeout)
+    try:
+        return run_cases(cases, backend, second_oracle=second_oracle, on_run=on_run, watchdog=watchdog)
+    finally:
+        watchdog.stop()
+        progress.close()
+        close = getattr(backend, "close", None)
+        if close is not None:
+            close()
+
+
+__all__ = ["Progress", "RunOptions", "default_run_id", "execute", "select_cases"]
