@@ -341,7 +341,7 @@ def _order_columns(hidden: int, residue: int, device) -> torch.Tensor:
 def _order_sensitive(case: Case, draw: _Draw, v: _Values) -> None:
     """2^24, 1, -2^24 summed in contract order give 0, in any other order 1.
 
-    reduce columns: ranks a, a+1, a+2 contribute the three (a varies by column);
+    reduce columns: three ranks (which ones varies by column) contribute the three, in rank order;
     post-mix columns: y = 2^24 (one rank), streams 0 and 1 hold 1 and -2^24, comb all ones on
     even rows; collapse columns: streams 0, 1, 2 hold the three, comb is the identity on odd
     rows, pre = 1; finalize columns: routes 0, 1, 2 carry the three with weight 1.
@@ -355,15 +355,16 @@ def _order_sensitive(case: Case, draw: _Draw, v: _Values) -> None:
     finalize_cols = _order_columns(h, ORDER_FINALIZE_COLUMN, device)
     stage_cols = torch.cat([reduce_cols, post_cols, collapse_cols, finalize_cols])
 
-    first_rank = (reduce_cols // ORDER_PERIOD) % tp  # rotate which ranks carry the pattern
+    # Which ranks carry the pattern rotates with the column; they get it in ascending rank
+    # order, so the contract's rank-order sum always cancels to 0.
+    first_rank = (reduce_cols // ORDER_PERIOD) % tp
+    carriers = torch.stack([(first_rank + i) % tp for i in range(min(tp, len(pattern)))]).sort(dim=0).values
     post_rank = (post_cols // ORDER_PERIOD) % tp
     for r, tensors in enumerate(v.contribution_tensors()):
         activation = tensors[0]
         activation[:, stage_cols] = 0.0
-        for i, value in enumerate(pattern):
-            if i < tp:
-                cols = reduce_cols[(first_rank + i) % tp == r]
-                activation[:, cols] = value
+        for i in range(carriers.shape[0]):
+            activation[:, reduce_cols[carriers[i] == r]] = pattern[i]
         activation[:, post_cols[post_rank == r]] = TWO_24
     if v.gemm2 is not None:
         for r in range(tp):

@@ -1,0 +1,157 @@
+"""The PTX contract: every check passes on the real sm_90a PTX of every kernel variant and fails
+on PTX doctored to lack (or add) the instruction it is about."""
+
+from __future__ import annotations
+
+import pytest
+
+from conformance.ptx_contract import (
+    KernelContract,
+    check_compiled_variants,
+    check_consumer_ptx,
+    check_ptx,
+    check_publish_ptx,
+    describe_spec,
+    parse_instructions,
+)
+from mhc_ar.compile import compile_spec, kernel_variants
+from mhc_ar.config import ConsumerSpec, Contribution, PublishSpec, Variant
+
+SPECS = kernel_variants()
+
+
+def _label(spec) -> str:
+    return "-".join(describe_spec(spec))
+
+
+@pytest.fixture(scope="module")
+def sm90_ptx() -> dict:
+    return {_label(spec): (spec, compile_spec(spec, "sm_90a", keep_ptx=True).ptx) for spec in SPECS}
+
+
+def _failed(spec, ptx) -> set[str]:
+    return {c.name for c in check_ptx(spec, ptx) if not c.passed}
+
+
+def test_every_variant_is_compiled(sm90_ptx):
+    assert set(sm90_ptx) == {
+        "publish-call-unicast", "publish-call-multicast", "publish-finalize-unicast", "publish-finalize-multicast",
+        "consumer-full", "consumer-mxfp8", "consumer-residual_only",
+    }
+
+
+@pytest.mark.parametrize("label", [_label(s) for s in SPECS])
+def test_real_ptx_meets_the_contract(sm90_ptx, label):
+    spec, ptx = sm90_ptx[label]
+    checks = check_ptx(spec, ptx)
+    assert checks and all(c.passed for c in checks), [f"{c.name}: {c.message}" for c in checks if not c.passed]
+
+
+CONSUMER_DOCTORINGS = [
+    # (what, variant, old, new, check that must fail)
+    ("fma flushes subnormals", "full", "fma.rn.f32", "fma.rn.ftz.f32", "no .ftz on float arithmetic"),
+    ("no fma at all", "full", "fma.rn.f32", "mad.lo.s32", "has fma.rn.f32"),
+    ("mul contracted away", "mxfp8", "mul.rn.f32", "mul.f32", "has mul.rn.f32"),
+    ("approximate division", "full", "div.rn.f32", "div.approx.f32", "f32 division is IEEE (div.rn)"),
+    ("no rsqrt", "mxfp8", "rsqrt.approx.ftz.f32", "sqrt.rn.f32", "1 x rsqrt.approx.ftz.f32"),
+    ("spin load not volatile", "full", "ld.volatile.global.v4.b32", "ld.global.v4.b32", "has ld.volatile.global.v4.b32"),
+    ("sentinel compared as float", "full", "setp.eq.or.b32 p, hi, 0x80000000, p", "setp.eq.or.f32 p, hi, 0x80000000, p",
+     "spin loops compare integer lanes only"),
+    ("no re-arm / stores", "residual_only", "st.global.v4.b32", "st.global.v2.b32", "has st.global.v4.b32"),
+    ("no PDL wait", "full", "griddepcontrol.wait;", "membar.gl;", "griddepcontrol.wait before global loads"),
+    ("load before the wait", "mxfp8", "griddepcontrol.wait;", "ld.global.f32 %r1, [%rd1];\n\tgriddepcontrol.wait;",
+     "griddepcontrol.wait before global loads"),
+    ("no bf16 rounding", "full", "cvt.rn.bf16x2.f32", "cvt.rz.bf16x2.f32", "has cvt.rn.bf16x2.f32"),
+    ("no e4m3 conversion", "mxfp8", "cvt.rn.satfinite.e4m3x2.f32", "cvt.rn.e4m3x2.f32", "has cvt.rn.satfinite.e4m3x2.f32"),
+    ("no scale byte store", "mxfp8", "st.global.b8", "st.global.b16", "has st.global.b8"),
+]
+
+
+@pytest.mark.parametrize("what, variant, old, new, check", CONSUMER_DOCTORINGS, ids=[d[0] for d in CONSUMER_DOCTORINGS])
+def test_doctored_consumer_ptx_fails(sm90_ptx, what, variant, old, new, check):
+    spec, ptx = sm90_ptx[f"consumer-{variant}"]
+    assert old in ptx
+    assert check in _failed(spec, ptx.replace(old, new)), what
+
+
+def test_residual_only_must_not_normalize(sm90_ptx):
+    spec, ptx = sm90_ptx["consumer-residual_only"]
+    doctored = ptx.replace("ret;", "div.rn.f32 %r1, %r2, %r3;\n\trsqrt.approx.ftz.f32 %r1, %r1;\n\tret;", 1)
+    assert {"no div.rn.f32", "no rsqrt.approx.ftz.f32"} <= _failed(spec, doctored)
+
+
+def test_a_second_division_fails(sm90_ptx):
+    spec, ptx = sm90_ptx["consumer-full"]
+    doctored = ptx.replace("div.rn.f32", "div.rn.f32 %r9, %r9, %r9;\n\tdiv.rn.f32", 1)
+    assert "1 x div.rn.f32" in _failed(spec, doctored)
+
+
+def test_load_reachable_before_the_wait_through_a_branch_fails():
+    # Text order alone looks fine here, but a branch reaches the load before the wait.
+    ptx = """
+    .entry k() {
+        bra.uni $L__early;
+    $L__late:
+        griddepcontrol.wait;
+        ld.global.f32 %r1, [%rd1];
+        ret;
+    $L__early:
+        ld.global.f32 %r2, [%rd2];
+        bra.uni $L__late;
+    }
+    """
+    failed = {c.name for c in check_consumer_ptx(ptx, Variant.FULL) if not c.passed}
+    assert "griddepcontrol.wait before global loads" in failed
+    assert [i.opcode for i in parse_instructions(ptx)][:3] == ["bra.uni", "griddepcontrol.wait", "ld.global.f32"]
+
+
+PUBLISH_DOCTORINGS = [
+    ("unicast stores to one peer too few", "call-unicast", "st.global.v4.b32", "st.global.v2.b32", "8 peer stores", 1),
+    ("unicast uses multimem", "call-unicast", "ret;", "multimem.st.relaxed.sys.global.v4.bf16x2 [%rd1], {%r1, %r1, %r1, %r1};\n\tret;", "no multimem", 1),
+    ("multicast loops over peers", "call-multicast", "ret;", "st.global.v4.b32 [%rd1], {%r1, %r1, %r1, %r1};\n\tret;", "no peer st.global.v4 loop", 1),
+    ("multicast without multimem", "finalize-multicast", "multimem.st", "st.global", "one multimem.st per vector", 1),
+    ("finalize without fma", "finalize-unicast", "fma.rn.f32", "mul.rn.f32", "has fma.rn.f32", None),
+    ("finalize without add", "finalize-unicast", "add.rn.f32", "sub.rn.f32", "has add.rn.f32", None),
+    ("scrub compares floats", "call-unicast", "setp.eq.b32 plo, lo, 0x00008000", "setp.eq.f32 plo, lo, 0x00008000",
+     "sentinel compared as integer lanes", None),
+]
+
+
+@pytest.mark.parametrize("what, variant, old, new, check, count", PUBLISH_DOCTORINGS, ids=[d[0] for d in PUBLISH_DOCTORINGS])
+def test_doctored_publish_ptx_fails(sm90_ptx, what, variant, old, new, check, count):
+    spec, ptx = sm90_ptx[f"publish-{variant}"]
+    assert old in ptx
+    doctored = ptx.replace(old, new) if count is None else ptx.replace(old, new, count)
+    assert check in _failed(spec, doctored), what
+
+
+def test_publish_store_count_follows_tp(sm90_ptx):
+    _, ptx = sm90_ptx["publish-call-unicast"]
+    assert all(c.passed for c in check_publish_ptx(ptx, Contribution.CALL, multicast=False, tp=8))
+    failed = {c.name for c in check_publish_ptx(ptx, Contribution.CALL, multicast=False, tp=4) if not c.passed}
+    assert failed == {"4 peer stores"}
+
+
+def test_empty_ptx_fails_every_presence_check():
+    for spec in SPECS:
+        checks = {c.name: c.passed for c in check_ptx(spec, "")}
+        required = [n for n in checks if n.startswith("has ") or n.startswith("1 x")]
+        required += ["griddepcontrol.wait before global loads", "sentinel compared as integer lanes"]
+        assert not any(checks[n] for n in required), (spec, {n: checks[n] for n in required})
+
+
+def test_check_ptx_rejects_other_objects():
+    with pytest.raises(ValueError, match="PublishSpec or ConsumerSpec"):
+        check_ptx(object(), "")
+
+
+def test_compile_coverage_records_results(tmp_path):
+    specs = [s for s in SPECS if isinstance(s, ConsumerSpec) and s.variant is Variant.RESIDUAL_ONLY]
+    seen = []
+    results = check_compiled_variants(["sm_90a"], specs, ptx_dir=tmp_path / "ptx", on_result=seen.append)
+    assert len(results) == 1 and seen == results
+    result: KernelContract = results[0]
+    assert result.status == "pass" and result.kind == "consumer" and result.variant == "residual_only"
+    assert (tmp_path / result.ptx_file).read_text().count("ld.volatile.global.v4.b32") > 0
+    assert result.to_dict()["checks"][0].keys() == {"name", "passed", "message"}
+    assert isinstance(SPECS[0], PublishSpec)
