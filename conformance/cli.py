@@ -120,7 +120,9 @@ def _add_extension(subparsers, name: str, module_name: str, help_text: str) -> N
     elif name == "measure-rsqrt":
         parser.add_argument("--out", required=True, type=Path, help="where to write the *.i8.zlib table")
     else:
-        parser.add_argument("options", nargs=argparse.REMAINDER, help=f"passed to {module_name}")
+        # Until the module declares its options, everything after the subcommand is passed on
+        # as args.options (see main: parse_known_args).
+        parser.set_defaults(options=[], takes_unknown=True)
 
     def call(args) -> int:
         loaded, why = _extension(module_name)
@@ -185,7 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        if not getattr(args, "takes_unknown", False):
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        args.options = list(unknown)
     return args.func(args)
 
 
