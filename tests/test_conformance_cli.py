@@ -22,11 +22,20 @@ QUICK = preset_cases(Preset.QUICK)
 
 
 @pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("reports")
-    # --device cpu: on a GPU machine too, this is the no-GPU path.
-    code = cli.main(["run", "--quick", "--out", str(out), "--run-id", "quick", "--device", "cpu", "--no-progress"])
-    return code, out / "quick"
+def quick_run(tmp_path_factory, worker_id):
+    """One `run --quick` per test session, shared by the xdist workers (the xdist recipe: the
+    first worker runs it under a file lock, the others read its exit code and files)."""
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
+    out = shared / "conformance_quick_reports"
+    with FileLock(str(shared / "conformance_quick_reports.lock")):
+        code_file = out / "exit_code"
+        if not code_file.exists():
+            # --device cpu: on a GPU machine too, this is the no-GPU path.
+            code = cli.main(["run", "--quick", "--out", str(out), "--run-id", "quick", "--device", "cpu", "--no-progress"])
+            code_file.write_text(str(code))
+    return int(code_file.read_text()), out / "quick"
 
 
 def test_quick_run_without_gpu_passes_and_writes_the_reports(quick_run, capsys):
