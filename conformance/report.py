@@ -398,14 +398,14 @@ def svg_scatter(
     title: str,
     x_label: str,
     y_label: str,
-    width: int = 760,
+    width: int = 860,
     height: int = 330,
 ) -> str:
     """A log-log scatter plot as inline SVG (points must be positive). One color per series."""
     points = [(x, y) for values in series.values() for x, y in values if x > 0 and y > 0]
     if not points:
         return f"<p>{_e(title)}: no data</p>"
-    left, right, top, bottom = 70, 150, 30, 45
+    left, right, top, bottom = 70, 250, 30, 45
     lx = [math.log10(x) for x, _ in points]
     ly = [math.log10(y) for _, y in points]
     x0, x1 = math.floor(min(lx)), math.ceil(max(lx)) if max(lx) > math.floor(min(lx)) else math.floor(min(lx)) + 1

@@ -139,24 +139,6 @@ def execute(options: RunOptions, *, backend: KernelBackend | None = None) -> Run
         write_html(report, run_dir / "index.html")
         return report
 
-    if options.compile_checks:
-        t = time.perf_counter()
-        archs = list(options.archs) if options.archs else None
-        from mhc_ar.compile import TARGET_ARCHS, kernel_variants
-
-        total = len(archs or TARGET_ARCHS) * len(kernel_variants())
-        progress = Progress(total, "compile + PTX contract", options.progress)
-
-        def on_compiled(contract):
-            progress.update(f"{contract.arch} {contract.kernel}")
-            if contract.status != "pass":
-                failed = [c.name for c in contract.checks if not c.passed] or ["compile error"]
-                progress.write(f"FAIL     PTX {contract.arch} {contract.kernel}: {', '.join(failed)}")
-
-        report.compile_checks = check_compiled_variants(archs, ptx_dir=run_dir / "ptx", on_result=on_compiled)
-        progress.close()
-        report.timings["compile_s"] = time.perf_counter() - t
-
     if options.reference_checks:
         t = time.perf_counter()
         subset = reference_check_cases(cases, options.max_reference_m)
@@ -179,6 +161,27 @@ def execute(options: RunOptions, *, backend: KernelBackend | None = None) -> Run
     else:
         report.cases = _run_with_bundles(cases, backend, options, run_dir, report, finish)
     report.timings["cases_s"] = time.perf_counter() - t
+
+    # Compiling for other archs comes last: nothing compiled for sm_100a/sm_103a can then
+    # influence the kernels this run launches.
+    if options.compile_checks:
+        t = time.perf_counter()
+        archs = list(options.archs) if options.archs else None
+        from mhc_ar.compile import TARGET_ARCHS, kernel_variants
+
+        total = len(archs or TARGET_ARCHS) * len(kernel_variants())
+        progress = Progress(total, "compile + PTX contract", options.progress)
+
+        def on_compiled(contract):
+            progress.update(f"{contract.arch} {contract.kernel}")
+            if contract.status != "pass":
+                failed = [c.name for c in contract.checks if not c.passed] or ["compile error"]
+                progress.write(f"FAIL     PTX {contract.arch} {contract.kernel}: {', '.join(failed)}")
+
+        report.compile_checks = check_compiled_variants(archs, ptx_dir=run_dir / "ptx", on_result=on_compiled)
+        progress.close()
+        report.timings["compile_s"] = time.perf_counter() - t
+
     return finish()
 
 
