@@ -58,3 +58,12 @@ def test_an_exception_is_recorded_as_error(monkeypatch):
 def test_subset_is_small_m_only():
     cases = [Case.from_id(f"tp1-H128-hc1-M{m}-call-full-normal") for m in (1, 16, 17, 256)]
     assert [c.m for c in reference_check_cases(cases, 16)] == [1, 16]
+
+
+def test_cancelling_sum_with_opposite_signs_is_judged_in_value_space():
+    # -8.5e-5 (reference) vs 3.1e-4 (float64) under an fp32 bound of 7e-3: explained, although
+    # the ordered-ulp distance across zero is ~29000.
+    check = check_reference(Case.from_id("tp4-H7168-hc4-M16-call-residual_only-wide_range"))
+    (post_mix,) = [s for s in check.stages if s.stage == "post_mix"]
+    assert check.status == "pass", check.summary()
+    assert post_mix.max_ulps > 10000 and post_mix.max_unexplained_ulps <= 1
