@@ -38,7 +38,9 @@ class RunReport:
     cases: list[CaseResult] = field(default_factory=list)
     compile_checks: list[KernelContract] = field(default_factory=list)
     reference_checks: list[ReferenceCheck] = field(default_factory=list)
-    bench: dict | None = None  # filled by `mhc-ar-conformance bench` later
+    # Filled by `mhc-ar-conformance bench`: {"latency_us": {series label: [[M, microseconds], ...]}}
+    # is drawn as a latency-vs-M plot; the rest is kept in results.json as it is.
+    bench: dict | None = None
 
     def case_counts(self) -> dict[str, int]:
         counts = {s.value: 0 for s in Status}
@@ -467,6 +469,14 @@ def _timing_plot(report: RunReport) -> str:
     return f"<h2>Time per case</h2>{plot}"
 
 
+def _bench_plot(report: RunReport) -> str:
+    latency = (report.bench or {}).get("latency_us")
+    if not isinstance(latency, dict) or not latency:
+        return ""
+    series = {str(label): [(float(m), float(us)) for m, us in points] for label, points in latency.items()}
+    return "<h2>Latency</h2>" + svg_scatter(series, title="latency by M", x_label="M (tokens)", y_label="microseconds")
+
+
 def render_html(report: RunReport) -> str:
     results = report.cases
     body = [
@@ -481,6 +491,7 @@ def render_html(report: RunReport) -> str:
         _reference_section(report.reference_checks),
         _failures(report),
         _timing_plot(report),
+        _bench_plot(report),
         '<p class="small">results.json holds everything on this page; junit.xml one test case per case and check.</p>',
     ]
     return (

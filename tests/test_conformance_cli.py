@@ -166,3 +166,13 @@ def test_python_dash_m_entry_point():
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().endswith("cases (quick)")
+
+
+def test_bench_results_become_a_latency_plot():
+    from conformance.report import RunReport, render_html
+
+    report = RunReport("r", "quick", {}, 0, "gpu", "t0", "t1", {"gpu": None, "versions": {}, "hostname": "h"}, {"total_s": 1.0})
+    assert "Latency" not in render_html(report)
+    report.bench = {"latency_us": {"tp8 H7168 <script>": [[1, 9.5], [128, 14.0]]}}
+    page = render_html(report)
+    assert "latency by M" in page and page.count("<circle") >= 3 and "&lt;script&gt;" in page and "<script>" not in page
