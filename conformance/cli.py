@@ -5,8 +5,8 @@
                            [--family normal,...|all] [--case ID[,ID...]] [--out reports]
                            [--run-id ID] [--seed-offset N] [--list]
     mhc-ar-conformance repro BUNDLE [--reference-only]
-    mhc-ar-conformance measure-rsqrt --out PATH
-    mhc-ar-conformance bench ...
+    mhc-ar-conformance measure-rsqrt --out PATH ...   (conformance.rsqrt_measure)
+    mhc-ar-conformance bench ...                      (conformance.bench)
 
 Exit status of run: 0 if everything that ran matched and every check passed (cases not run
 for lack of a GPU do not fail), 1 on any mismatch, error or failed check, 2 on bad usage.
@@ -24,8 +24,8 @@ from mhc_ar.config import Contribution, Variant
 
 from .cases import Filters, Preset, parse_families, parse_list
 
-# Subcommands whose module lives elsewhere in the package: name -> module with main(args) and,
-# optionally, add_arguments(parser).
+# Subcommands whose module lives elsewhere in the package and parses its own arguments:
+# name -> (module with main(argv) -> exit code, one-line help).
 EXTENSIONS = {
     "measure-rsqrt": ("conformance.rsqrt_measure", "measure the GPU's rsqrt.approx deviation table over [0.5, 2)"),
     "bench": ("conformance.bench", "latency of the fused kernels by M"),
@@ -112,27 +112,15 @@ def _extension(module_name: str):
         return None, f"{module_name} cannot be imported: {type(error).__name__}: {error}"
 
 
-def _add_extension(subparsers, name: str, module_name: str, help_text: str) -> None:
-    parser = subparsers.add_parser(name, help=help_text)
-    module, problem = _extension(module_name)
-    if module is not None and hasattr(module, "add_arguments"):
-        module.add_arguments(parser)
-    elif name == "measure-rsqrt":
-        parser.add_argument("--out", required=True, type=Path, help="where to write the *.i8.zlib table")
-    else:
-        # Until the module declares its options, everything after the subcommand is passed on
-        # as args.options (see main: parse_known_args).
-        parser.set_defaults(options=[], takes_unknown=True)
-
-    def call(args) -> int:
-        loaded, why = _extension(module_name)
-        if loaded is None:
-            print(f"mhc-ar-conformance {name}: {why}", file=sys.stderr)
-            return 2
-        code = loaded.main(args)
-        return 0 if code is None else int(code)
-
-    parser.set_defaults(func=call)
+def _call_extension(name: str, argv: list[str]) -> int:
+    """Hand the arguments after the subcommand to the module's own main(argv)."""
+    module_name = EXTENSIONS[name][0]
+    module, why = _extension(module_name)
+    if module is None:
+        print(f"mhc-ar-conformance {name}: {why}", file=sys.stderr)
+        return 2
+    code = module.main(argv)
+    return 0 if code is None else int(code)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -181,17 +169,16 @@ def build_parser() -> argparse.ArgumentParser:
     repro.set_defaults(func=_cmd_repro)
 
     for name, (module_name, help_text) in EXTENSIONS.items():
-        _add_extension(subparsers, name, module_name, help_text)
+        # Listed for --help only: main() hands their arguments to the module's own parser.
+        subparsers.add_parser(name, help=f"{help_text} ({module_name}; see '{name} --help')", add_help=False)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:
-        if not getattr(args, "takes_unknown", False):
-            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-        args.options = list(unknown)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in EXTENSIONS:
+        return _call_extension(argv[0], argv[1:])
+    args = build_parser().parse_args(argv)
     return args.func(args)
 
 

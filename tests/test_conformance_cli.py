@@ -141,14 +141,13 @@ def test_repro_refuses_a_broken_bundle(tmp_path, capsys):
     assert "not a readable bundle" in capsys.readouterr().err
 
 
-def test_extension_subcommands_call_their_module(monkeypatch):
+def test_extension_subcommands_hand_their_arguments_to_the_module(monkeypatch):
     calls = []
-    fake = types.SimpleNamespace(main=lambda args: calls.append(args) or 7)
+    fake = types.SimpleNamespace(main=lambda argv: calls.append(argv) or 7)
     monkeypatch.setattr(cli, "_extension", lambda name: (fake, None))
     assert cli.main(["measure-rsqrt", "--out", "table.i8.zlib"]) == 7
-    assert calls[-1].out == Path("table.i8.zlib")
-    assert cli.main(["bench", "--anything", "1"]) == 7
-    assert calls[-1].options == ["--anything", "1"]
+    assert cli.main(["bench", "--m", "1,2", "--help"]) == 7
+    assert calls == [["--out", "table.i8.zlib"], ["--m", "1,2", "--help"]]
     with pytest.raises(SystemExit):
         cli.main(["run", "--quick", "--anything"])
 
