@@ -44,6 +44,9 @@ class RankEndpoint:
     multicast_address: int = 0
     handle: object = None  # keeps symmetric memory alive
 
+    def __post_init__(self):
+        self.mailbox_address = self.mailbox.data_ptr()
+
     def reset(self) -> None:
         """Re-arm every mailbox slot and restart the generation count (tests; not collective)."""
         self.mailbox.view(torch.int16).fill_(_sentinel_int16())

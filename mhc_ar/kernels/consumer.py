@@ -165,6 +165,10 @@ class ConsumerKernel:
         if cutlass.const_expr(self.has_norm):
             pre_t = [ptx.ld_global_f32(pre + (row * hc + t) * _F32_BYTES) for t in range(hc)]
 
+        if cutlass.const_expr(self.has_mxfp8):
+            # Independent of the data: issued before the spin, so the stores overlap its wait.
+            self._zero_padding_scales(bid, tid, num_tokens, mx_scales)
+
         rank_stride = Int64(spec.capacity * hidden * _BF16_BYTES)  # mailbox[g, r] -> mailbox[g, r+1]
         generation_base = mailbox + generation * (tp * spec.capacity * hidden * _BF16_BYTES)
 
@@ -236,8 +240,6 @@ class ConsumerKernel:
                 ptx.st_global_v4(layer_input + (row * hidden + column) * _BF16_BYTES, *out, valid)
                 if cutlass.const_expr(self.has_mxfp8):
                     self._mxfp8_block(out, row, vector, column, lane, valid, mx_values, mx_scales)
-            if cutlass.const_expr(self.has_mxfp8):
-                self._zero_padding_scales(bid, tid, num_tokens, mx_scales)
 
         if bid == 0 and tid == 0:
             # Advance the generation for the next publish (see mhc_ar.protocol).
@@ -296,17 +298,20 @@ class ConsumerKernel:
     @cute.jit
     def _zero_padding_scales(self, bid, tid, num_tokens, mx_scales):
         """Scale rows M .. roundup(M,128)-1 are zero. The 4 scales of columns 4g..4g+3 of one row
-        are 4 contiguous bytes of the 128x4 layout, so the padding is (padded rows) x (H/128)
-        words, spread over every thread of the grid (a handful of stores each, even at M=1)."""
+        are 4 contiguous bytes of the 128x4 layout, at g*512 + (r%32)*16 + ((r%128)//32)*4
+        + (r//128)*128*(H/32); the padding is (padded rows) x (H/128) such words, spread over every
+        thread of the grid (a handful of stores each, even at M=1)."""
         groups = self.spec.hidden_size // (4 * MXFP8_BLOCK)
+        tile_bytes = _SCALE_ROW_TILE * self._scale_columns()
         padded_rows = (num_tokens + (_SCALE_ROW_TILE - 1)) // _SCALE_ROW_TILE * _SCALE_ROW_TILE
         words = (padded_rows - num_tokens) * groups
         stride = num_tokens * self.tiling.cluster_size * self.tiling.threads_per_cta
         unit = bid * self.tiling.threads_per_cta + tid
         while unit < words:
-            row = num_tokens + unit // groups
-            group = unit - (unit // groups) * groups
-            offset = compute_sf_index_swizzled_128x4_gpu(row, group * 4, Int32(self._scale_columns()))
+            pad = unit // groups  # groups is a compile-time constant: a multiply-shift
+            group = unit - pad * groups
+            row = num_tokens + pad
+            offset = group * 512 + (row % 32) * 16 + ((row % 128) // 32) * 4 + (row // 128) * tile_bytes
             ptx.st_global_u32(mx_scales + Int64(offset), Uint32(0))
             unit = unit + stride
 
