@@ -4,7 +4,8 @@ index.html is one self-contained file (inline CSS and inline SVG, no script, no 
 reads well opened from disk: counts, environment, the coverage matrix (TP x H rows, hc x
 variant x op columns, each cell passed/total over its M values and families), per-M and
 per-family tables, the PTX contract per arch and kernel, the reference-vs-float64 checks, the
-failures with links to their bundles and repro commands, and a time-per-case plot.
+failures with links to their bundles and repro commands, and a time-per-case plot (drawn by
+conformance.plots, which the bench report uses too).
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from __future__ import annotations
 import html
 import json
 import math
+import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
 from .cases import FAMILIES, OPS, VARIANTS
+from .plots import line_plot_svg
 from .ptx_contract import KernelContract
 from .reference_checks import ULP_BOUND, ReferenceCheck
 from .runner import CaseResult, Status
@@ -389,84 +392,27 @@ def _failures(report: RunReport) -> str:
     return f"<h2>Failures ({len(items)})</h2><ul>{''.join(items)}</ul>"
 
 
-# ----- inline SVG scatter plot --------------------------------------------------------------------
-
-_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")
-
-
-def svg_scatter(
-    series: dict[str, Sequence[tuple[float, float]]],
-    *,
-    title: str,
-    x_label: str,
-    y_label: str,
-    width: int = 860,
-    height: int = 330,
-) -> str:
-    """A log-log scatter plot as inline SVG (points must be positive). One color per series."""
-    points = [(x, y) for values in series.values() for x, y in values if x > 0 and y > 0]
-    if not points:
-        return f"<p>{_e(title)}: no data</p>"
-    left, right, top, bottom = 70, 250, 30, 45
-    lx = [math.log10(x) for x, _ in points]
-    ly = [math.log10(y) for _, y in points]
-    x0, x1 = math.floor(min(lx)), math.ceil(max(lx)) if max(lx) > math.floor(min(lx)) else math.floor(min(lx)) + 1
-    y0, y1 = math.floor(min(ly)), math.ceil(max(ly)) if max(ly) > math.floor(min(ly)) else math.floor(min(ly)) + 1
-    plot_w, plot_h = width - left - right, height - top - bottom
-
-    def sx(x):
-        return left + (math.log10(x) - x0) / (x1 - x0) * plot_w
-
-    def sy(y):
-        return top + plot_h - (math.log10(y) - y0) / (y1 - y0) * plot_h
-
-    parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" aria-label="{_e(title)}">',
-        f'<text x="{left}" y="18" font-size="14" font-weight="600">{_e(title)}</text>',
-        f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#999"/>',
-    ]
-    for e in range(x0, x1 + 1):
-        for k in (1, 2, 5) if x1 - x0 <= 3 else (1,):
-            x = k * 10.0**e
-            if not 10.0**x0 <= x <= 10.0**x1:
-                continue
-            px = sx(x)
-            parts.append(f'<line x1="{px:.1f}" y1="{top}" x2="{px:.1f}" y2="{top + plot_h}" stroke="#eee"/>')
-            parts.append(f'<text x="{px:.1f}" y="{top + plot_h + 15}" font-size="11" text-anchor="middle">{x:g}</text>')
-    for e in range(y0, y1 + 1):
-        py = sy(10.0**e)
-        parts.append(f'<line x1="{left}" y1="{py:.1f}" x2="{left + plot_w}" y2="{py:.1f}" stroke="#eee"/>')
-        parts.append(f'<text x="{left - 6}" y="{py + 4:.1f}" font-size="11" text-anchor="end">{10.0**e:g}</text>')
-    parts.append(f'<text x="{left + plot_w / 2}" y="{height - 8}" font-size="12" text-anchor="middle">{_e(x_label)}</text>')
-    parts.append(
-        f'<text x="16" y="{top + plot_h / 2}" font-size="12" text-anchor="middle" '
-        f'transform="rotate(-90 16 {top + plot_h / 2})">{_e(y_label)}</text>'
-    )
-    for i, (name, values) in enumerate(series.items()):
-        color = _COLORS[i % len(_COLORS)]
-        for x, y in values:
-            if x > 0 and y > 0:
-                parts.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="{color}" fill-opacity="0.6"/>')
-        ly_ = top + 14 + 18 * i
-        parts.append(f'<circle cx="{left + plot_w + 14}" cy="{ly_ - 4}" r="4" fill="{color}"/>')
-        parts.append(f'<text x="{left + plot_w + 24}" y="{ly_}" font-size="12">{_e(name)} ({len(values)})</text>')
-    parts.append("</svg>")
-    return "".join(parts)
+def _median_by_m(points: Iterable[tuple[int, float]]) -> list[tuple[int, float]]:
+    by_m = defaultdict(list)
+    for m, value in points:
+        by_m[m].append(value)
+    return [(m, statistics.median(values)) for m, values in sorted(by_m.items())]
 
 
 def _timing_plot(report: RunReport) -> str:
-    series: dict[str, list[tuple[float, float]]] = {}
-    kernel = [(r.case.m, 1e3 * r.timings["kernel_s"]) for r in report.cases if "kernel_s" in r.timings]
-    reference = [(r.case.m, 1e3 * r.timings["reference_s"]) for r in report.cases if "reference_s" in r.timings]
-    if kernel:
-        series["kernel call (incl. sync)"] = kernel
-    if reference:
-        series["reference (same device)"] = reference
-    checks = [(c.case.m, 1e3 * c.seconds) for c in report.reference_checks if c.seconds > 0]
-    if checks:
-        series["reference + float64 check"] = checks
-    plot = svg_scatter(series, title="time per case by M", x_label="M (tokens)", y_label="ms")
-    return f"<h2>Time per case</h2>{plot}"
+    """Median time per case by M, one line per kind of work (log-log)."""
+    series = {}
+    for label, points in (
+        ("kernel call, incl. sync", [(r.case.m, 1e3 * r.timings["kernel_s"]) for r in report.cases if "kernel_s" in r.timings]),
+        ("reference, same device", [(r.case.m, 1e3 * r.timings["reference_s"]) for r in report.cases if "reference_s" in r.timings]),
+        ("reference + float64 check", [(c.case.m, 1e3 * c.seconds) for c in report.reference_checks if c.seconds > 0]),
+    ):
+        if points:
+            series[label] = _median_by_m(points)
+    if not series:
+        return ""
+    plot = line_plot_svg(series, x_label="M (tokens)", y_label="median ms per case", log_x=True, log_y=True)
+    return f"<h2>Time per case by M</h2>{plot}"
 
 
 def _bench_plot(report: RunReport) -> str:
@@ -474,7 +420,8 @@ def _bench_plot(report: RunReport) -> str:
     if not isinstance(latency, dict) or not latency:
         return ""
     series = {str(label): [(float(m), float(us)) for m, us in points] for label, points in latency.items()}
-    return "<h2>Latency</h2>" + svg_scatter(series, title="latency by M", x_label="M (tokens)", y_label="microseconds")
+    plot = line_plot_svg(series, x_label="M (tokens)", y_label="latency (us)", log_x=True, log_y=True)
+    return f"<h2>Latency by M</h2>{plot}"
 
 
 def render_html(report: RunReport) -> str:
@@ -507,4 +454,4 @@ def write_html(report: RunReport, path) -> Path:
     return path
 
 
-__all__ = ["RunReport", "render_html", "svg_scatter", "write_html", "write_results_json"]
+__all__ = ["RunReport", "render_html", "write_html", "write_results_json"]
