@@ -51,17 +51,6 @@ NOT_JUDGED: dict[str, tuple[str, Callable[[dict], bool]]] = {
 }
 
 
-def _skipped_route_meets_special_row0(inputs: CaseInputs) -> bool:
-    """Some rank routes a token to -1 while its gemm2_permuted row 0 holds a NaN or Inf."""
-    for rank in inputs.ranks:
-        if rank.gemm2_permuted is None:
-            continue
-        row0_special = not bool(torch.isfinite(rank.gemm2_permuted[0].float()).all())
-        if row0_special and bool((rank.expanded_idx_to_permuted_idx == -1).any()):
-            return True
-    return False
-
-
 @dataclass(frozen=True)
 class KnownDeviation:
     """A stage where the float64 model is known to be wrong for such inputs, and why."""
@@ -73,17 +62,7 @@ class KnownDeviation:
     applies: Callable[[CaseInputs], bool]
 
 
-KNOWN_DEVIATIONS = (
-    KnownDeviation(
-        Family.NAN_INF,
-        Contribution.FINALIZE,
-        "contribution",
-        "reference/float64_model.finalize_f64 weights a skipped route (-1) by 0 after clamping its "
-        "index to row 0 instead of leaving it out, so a NaN/Inf in gemm2_permuted row 0 becomes "
-        "0 * Inf = NaN in every token with a skipped route",
-        _skipped_route_meets_special_row0,
-    ),
-)
+KNOWN_DEVIATIONS: tuple = ()  # none known: the model left skipped routes out instead of weighting them by 0
 
 
 @dataclass

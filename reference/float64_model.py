@@ -117,8 +117,10 @@ def finalize_f64(rank: RankInputs):
     """sum_k w_k * gemm2[idx_k] + shared in float64 -> (bf16 [M, H], fp32 chain error bound)."""
     idx = rank.expanded_idx_to_permuted_idx.to(torch.int64)
     rows = rank.gemm2_permuted.double()[idx.clamp(min=0)]  # [M, top_k, H]
-    weights = torch.where(idx != SKIPPED_ROUTE, rank.expert_weights.double(), 0.0)
-    terms = torch.cat([weights[..., None] * rows, rank.shared_output.double()[:, None]], dim=1)
+    taken = (idx != SKIPPED_ROUTE)[..., None]
+    # A skipped route is left out (a zero term), not weighted by 0: 0 * Inf would be NaN.
+    routed = torch.where(taken, rank.expert_weights.double()[..., None] * rows, 0.0)
+    terms = torch.cat([routed, rank.shared_output.double()[:, None]], dim=1)
     return _rounded_sum(terms, dim=1)
 
 
