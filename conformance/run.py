@@ -19,6 +19,7 @@ from typing import Sequence
 import torch
 
 from .bundle import bundle_name, write_bundle
+from .distributed import DistributedKernelBackend, init_torchrun, torchrun_world
 from .cases import Case, Filters, Preset, cases_from_ids, preset_cases
 from .environment import collect_environment
 from .junit import write_junit
@@ -112,10 +113,16 @@ def execute(options: RunOptions, *, backend: KernelBackend | None = None) -> Run
     run_id = options.run_id or default_run_id(preset)
     run_dir = Path(options.out) / run_id
     (run_dir / "bundles").mkdir(parents=True, exist_ok=True)
-    if backend is not None:
+    # Under torchrun (several processes), real TP: this process is one rank, rank 0 reports.
+    world = None
+    if backend is None and torchrun_world() is not None and torch.cuda.is_available() and options.device != "cpu":
+        rank, world, device = init_torchrun()
+        backend = DistributedKernelBackend(device)
+    elif backend is not None:
         device = torch.device(backend.device)
     else:
         device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    writer = world is None or backend.rank == 0
     mode = "gpu" if device.type == "cuda" else "cpu"
     report = RunReport(
         run_id=run_id,
@@ -134,12 +141,14 @@ def execute(options: RunOptions, *, backend: KernelBackend | None = None) -> Run
     def finish() -> RunReport:
         report.finished_at = _now()
         report.timings["total_s"] = time.perf_counter() - start
+        if not writer:
+            return report
         write_results_json(report, run_dir / "results.json")
         write_junit(report, run_dir / "junit.xml")
         write_html(report, run_dir / "index.html")
         return report
 
-    if options.reference_checks:
+    if options.reference_checks and writer:
         t = time.perf_counter()
         subset = reference_check_cases(cases, options.max_reference_m)
         progress = Progress(len(subset), f"reference vs float64 (M <= {options.max_reference_m})", options.progress)
@@ -158,13 +167,18 @@ def execute(options: RunOptions, *, backend: KernelBackend | None = None) -> Run
     if backend is None:
         reason = "not run: no GPU" if not torch.cuda.is_available() else f"not run: --device {device}"
         report.cases = [not_run(case, reason) for case in cases]
+    elif world is not None:
+        runnable = [case for case in cases if case.tp == world]
+        ran = {r.case.id: r for r in _run_with_bundles(runnable, backend, options, run_dir, report, finish, writer)}
+        reason = f"not run: needs TP={{}}; torchrun world size is {world}"
+        report.cases = [ran.get(case.id) or not_run(case, reason.format(case.tp)) for case in cases]
     else:
         report.cases = _run_with_bundles(cases, backend, options, run_dir, report, finish)
     report.timings["cases_s"] = time.perf_counter() - t
 
     # Compiling for other archs comes last: nothing compiled for sm_100a/sm_103a can then
     # influence the kernels this run launches.
-    if options.compile_checks:
+    if options.compile_checks and writer:
         t = time.perf_counter()
         archs = list(options.archs) if options.archs else None
         from mhc_ar.compile import TARGET_ARCHS, kernel_variants
@@ -185,7 +199,7 @@ def execute(options: RunOptions, *, backend: KernelBackend | None = None) -> Run
     return finish()
 
 
-def _run_with_bundles(cases, backend, options: RunOptions, run_dir: Path, report: RunReport, finish):
+def _run_with_bundles(cases, backend, options: RunOptions, run_dir: Path, report: RunReport, finish, writer=True):
     progress = Progress(len(cases), "cases", options.progress)
     done: dict[str, object] = {}
     bundles_written = 0
@@ -195,7 +209,7 @@ def _run_with_bundles(cases, backend, options: RunOptions, run_dir: Path, report
         nonlocal bundles_written
         result = run.result
         done[result.case.id] = result
-        if result.status is Status.MISMATCH:
+        if result.status is Status.MISMATCH and writer:
             if bundles_written < options.max_bundles and run.inputs is not None and run.kernel is not None:
                 path = run_dir / "bundles" / bundle_name(result.case)
                 try:

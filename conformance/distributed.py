@@ -1,0 +1,127 @@
+"""Real TP: the conformance runner under torchrun, one rank per GPU, unicast transport.
+
+    torchrun --nproc-per-node 8 -m conformance run [--tp 8 ...]
+
+Every process builds every case's inputs from the case seed (so each knows all ranks' inputs
+and can compute the reference), runs its own rank through mhc_ar.AllReduceMHC, and all-gathers
+every rank's outputs: each process then compares every rank against the reference and against
+rank 0, exactly as the emulated backend's caller does, and rank 0 writes the report and the
+bundles. Cases whose TP differs from the world size are "not run". NVLink multicast stays off
+(mhc_ar.transport.MULTICAST_OFF_ENV) in every process.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import torch
+
+from mhc_ar.config import Contribution, Variant
+from reference import ReductionTree
+
+from .cases import Case
+from .inputs import CaseInputs
+from .runner import KernelOutputs, OUTPUTS, poisoned_outputs
+
+
+def torchrun_world() -> tuple[int, int, int] | None:
+    """(rank, local_rank, world_size) when launched by torchrun with more than one process."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    world = int(os.environ["WORLD_SIZE"])
+    if world < 2:
+        return None
+    return int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"])), world
+
+
+def init_torchrun(backend: str = "nccl") -> tuple[int, int, torch.device]:
+    """Join the torchrun group (once); returns (rank, world_size, this rank's device)."""
+    import torch.distributed as dist
+
+    from mhc_ar.transport import disable_multicast_env
+
+    disable_multicast_env()
+    rank, local_rank, world = torchrun_world()
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
+    return rank, world, device
+
+
+class DistributedKernelBackend:
+    """This process's rank through AllReduceMHC; outputs all-gathered into every process."""
+
+    def __init__(self, device, group=None, make_op=None):
+        import torch.distributed as dist
+
+        self.device = torch.device(device)
+        self.group = dist.group.WORLD if group is None else group
+        self.rank = dist.get_rank(self.group)
+        self.world = dist.get_world_size(self.group)
+        self._make_op = make_op or self._all_reduce_mhc
+        self._key = None
+        self._op = None
+
+    def _all_reduce_mhc(self, case: Case):
+        from mhc_ar import AllReduceMHC
+
+        return AllReduceMHC(
+            hidden_size=case.hidden,
+            hc_mult=case.hc,
+            max_num_tokens=case.capacity,
+            top_k=case.top_k,
+            device=self.device,
+            quantize_layer_input=case.variant is Variant.MXFP8,
+            residual_only=case.variant is Variant.RESIDUAL_ONLY,
+            group=self.group,
+        )
+
+    def instance(self, case: Case):
+        if case.instance_key != self._key:
+            self.close()
+            self._op = self._make_op(case)  # collective: every rank reaches it in the same order
+            self._key = case.instance_key
+        return self._op
+
+    def close(self) -> None:
+        self._op = None
+        self._key = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def tree(self, case: Case) -> ReductionTree:
+        return ReductionTree(**self.instance(case).consumer_tiling.reduction_tree_args())
+
+    def run(self, case: Case, inputs: CaseInputs) -> KernelOutputs:
+        import torch.distributed as dist
+
+        if case.tp != self.world:
+            raise ValueError(f"case {case.id} needs TP={case.tp}; this torchrun group has {self.world} ranks")
+        op = self.instance(case)
+        mine = poisoned_outputs(case, self.device)  # every rank's buffers; this rank fills its own
+        r = self.rank
+        out = (mine.new_residual[r], mine.layer_input[r])
+        mxfp8_out = (mine.mxfp8_values[r], mine.mxfp8_scales[r]) if case.variant is Variant.MXFP8 else None
+        own, mix = inputs.ranks[r], inputs.mix
+        mixing = (mix.residual, mix.post, mix.comb, mix.pre, mix.norm_weight, mix.eps)
+        if case.op is Contribution.CALL:
+            op(own.x, *mixing, mxfp8_out=mxfp8_out, out=out)
+        else:
+            op.finalize(own.gemm2_permuted, own.expert_weights, own.expanded_idx_to_permuted_idx, own.shared_output,
+                        *mixing, mxfp8_out=mxfp8_out, out=out)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        gathered = {}
+        for name in OUTPUTS:
+            tensor = getattr(mine, name)[r]
+            if tensor is None:
+                gathered[name] = [None] * self.world
+                continue
+            # Gather raw bytes: every collective backend moves uint8, not every one moves fp8.
+            parts = [torch.empty_like(tensor).view(torch.uint8) for _ in range(self.world)]
+            dist.all_gather(parts, tensor.contiguous().view(torch.uint8), group=self.group)
+            gathered[name] = [part.view(tensor.dtype) for part in parts]
+        return KernelOutputs(**gathered)
