@@ -221,8 +221,9 @@ def measure_tp1(hidden: int, hc: int, ms, ops) -> list[Row]:
 
         row.full_plus_quant_us = graph_time_us([lambda side=side: full_then_quantize(side) for side in full])
         row.consumer_bytes = consumer_bytes(1, m, hidden, hc, False)
-        consumer_us = row.fused_us - row.publish_us
-        row.consumer_gbs = row.consumer_bytes / (consumer_us * 1e-6) / 1e9 if consumer_us > 0 else None
+        # Conservative: the consumer's bytes over the whole fused call (publish included). The
+        # difference fused - publish is no consumer time: under PDL the two kernels overlap.
+        row.consumer_gbs = row.consumer_bytes / (row.fused_us * 1e-6) / 1e9
         rows.append(row)
         print(_format_row(row), flush=True)
     return rows
@@ -239,10 +240,11 @@ def measure_tp(tp: int, hidden: int, hc: int, ms) -> list[Row]:
         fused = graph_time_us([s.call for s in sides])
         publish = graph_time_us([s.publish_only for s in sides])
         row = Row(hidden=hidden, m=m, tp=tp, fused_us=fused, publish_us=publish)
-        # All tp publishes, then all tp consumers: one rank's consumer is the difference / tp.
+        # All tp publishes, then all tp consumers: (all - publishes) / tp estimates one rank's
+        # consumer (PDL overlaps the last publish with the first consumer: an underestimate).
         per_rank = (fused - publish) / tp
         row.consumer_bytes = consumer_bytes(tp, m, hidden, hc, False)
-        row.consumer_gbs = row.consumer_bytes / (per_rank * 1e-6) / 1e9 if per_rank > 0 else None
+        row.consumer_gbs = None
         rows.append(row)
         print(f"tp{tp} H{hidden} M{m}: all ranks {fused:.2f} us, publishes {publish:.2f} us, consumer/rank {per_rank:.2f} us", flush=True)
     del op
@@ -361,7 +363,7 @@ def targets(result: BenchResult) -> list[tuple[str, bool | None, str]]:
         ratio = min(r.unfused_us / r.fused_us for r in big)
         frac = min((r.consumer_gbs or 0) / result.copy_gbs for r in big)
         checks.append(("M=1024: >= 10x unfused", ratio >= 10.0, f"min x{ratio:.1f}"))
-        checks.append(("M=1024: consumer >= 75% of copy bandwidth", frac >= 0.75, f"min {100 * frac:.0f}%"))
+        checks.append(("M=1024: consumer bytes / fused time >= 75% of copy bandwidth", frac >= 0.75, f"min {100 * frac:.0f}%"))
     if result.rows:
         over = max(r.fused_mxfp8_us / r.fused_us - 1 for r in result.rows)
         beats = all(r.fused_mxfp8_us < r.full_plus_quant_us for r in result.rows)
@@ -390,7 +392,7 @@ def write_report(result: BenchResult, out: Path) -> None:
     )
     tp_rows = "".join(
         f"<tr><td>{r.tp}</td><td>{r.m}</td><td>{r.fused_us:.2f}</td><td>{r.publish_us:.2f}</td>"
-        f"<td>{(r.fused_us - r.publish_us) / r.tp:.2f}</td><td>{'' if r.consumer_gbs is None else f'{r.consumer_gbs:.0f}'}</td></tr>"
+        f"<td>{(r.fused_us - r.publish_us) / r.tp:.2f}</td></tr>"
         for r in result.tp_rows
     )
     target_rows = "".join(
@@ -405,9 +407,9 @@ every time is the median per call of {REPEATS} replays of a CUDA graph of {CALLS
 <h2>Targets</h2><table><tr><th>target</th><th>result</th><th>measured</th></tr>{target_rows}</table>
 <h2>Latency vs M (TP=1, hc=4)</h2>{svg}
 <table><tr><th>H</th><th>M</th><th>fused us</th><th>fused MXFP8 us</th><th>publish us</th><th>unfused us</th><th>unfused+quant us</th>
-<th>fused full + quantize us</th><th>speed-up</th><th>consumer GB/s</th></tr>{rows}</table>
+<th>fused full + quantize us</th><th>speed-up</th><th>consumer bytes / fused time, GB/s</th></tr>{rows}</table>
 <h2>Emulated TP, H=5120, hc=4 (consumer per rank = (all - publishes) / tp)</h2>
-<table><tr><th>tp</th><th>M</th><th>all ranks us</th><th>publishes us</th><th>consumer/rank us</th><th>consumer GB/s</th></tr>{tp_rows}</table>
+<table><tr><th>tp</th><th>M</th><th>all ranks us</th><th>publishes us</th><th>consumer/rank us</th></tr>{tp_rows}</table>
 <h2>Eager __call__ latency (H=5120, hc=4, TP=1, host wall time per call)</h2>
 <p>{html_escape(result.eager_api)}: {", ".join(f"M={m}: {us:.2f} us" for m, us in result.eager_us.items() if not m.endswith("parts"))}</p>
 <p>parts: {html_escape(str({m: v for m, v in result.eager_us.items() if m.endswith("parts")}))}</p></body></html>"""
