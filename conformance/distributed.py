@@ -22,7 +22,7 @@ from reference import ReductionTree
 
 from .cases import Case
 from .inputs import CaseInputs
-from .runner import KernelOutputs, OUTPUTS, poisoned_outputs
+from .runner import OUTPUTS, KernelOutputs, instance_arguments, poisoned_outputs
 
 
 def torchrun_world() -> tuple[int, int, int] | None:
@@ -67,16 +67,7 @@ class DistributedKernelBackend:
     def _all_reduce_mhc(self, case: Case):
         from mhc_ar import AllReduceMHC
 
-        return AllReduceMHC(
-            hidden_size=case.hidden,
-            hc_mult=case.hc,
-            max_num_tokens=case.capacity,
-            top_k=case.top_k,
-            device=self.device,
-            quantize_layer_input=case.variant is Variant.MXFP8,
-            residual_only=case.variant is Variant.RESIDUAL_ONLY,
-            group=self.group,
-        )
+        return AllReduceMHC(device=self.device, group=self.group, **instance_arguments(case))
 
     def instance(self, case: Case):
         if case.instance_key != self._key:

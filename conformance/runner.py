@@ -103,6 +103,18 @@ def tiling_tree(hidden: int) -> ReductionTree:
 # ----- the GPU backend ----------------------------------------------------------------------------
 
 
+def instance_arguments(case: Case) -> dict:
+    """The AllReduceMHC / EmulatedAllReduceMHC constructor arguments a case needs (but tp/group)."""
+    return dict(
+        hidden_size=case.hidden,
+        hc_mult=case.hc,
+        max_num_tokens=case.capacity,
+        top_k=case.top_k,
+        quantize_layer_input=case.variant is Variant.MXFP8,
+        residual_only=case.variant is Variant.RESIDUAL_ONLY,
+    )
+
+
 def poisoned_outputs(case: Case, device) -> KernelOutputs:
     """Output tensors for every rank, filled with the poison patterns."""
     m, h, hc, tp = case.m, case.hidden, case.hc, case.tp
@@ -148,16 +160,7 @@ class EmulatedKernelBackend:
             self.close()
             from mhc_ar import EmulatedAllReduceMHC
 
-            self._instance = EmulatedAllReduceMHC(
-                tp_size=case.tp,
-                hidden_size=case.hidden,
-                hc_mult=case.hc,
-                max_num_tokens=case.capacity,
-                top_k=case.top_k,
-                device=self.device,
-                quantize_layer_input=case.variant is Variant.MXFP8,
-                residual_only=case.variant is Variant.RESIDUAL_ONLY,
-            )
+            self._instance = EmulatedAllReduceMHC(tp_size=case.tp, device=self.device, **instance_arguments(case))
             self._key = case.instance_key
         return self._instance
 
