@@ -12,16 +12,13 @@ import torch
 sys.path.insert(0, "tests")
 from gpu_cases import random_inputs, reference_for, run_kernel  # noqa: E402
 
+from conformance.compare import first_mismatch  # noqa: E402
 from mhc_ar import EmulatedAllReduceMHC  # noqa: E402
 
 
-def first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
-    a_bits, b_bits = a.view(torch.uint8 if a.element_size() == 1 else torch.int16), b.view(torch.uint8 if b.element_size() == 1 else torch.int16)
-    differ = (a_bits != b_bits).nonzero()
-    if differ.numel() == 0:
-        return "equal"
-    index = tuple(differ[0].tolist())
-    return f"{differ.shape[0]} differ; first at {index}: kernel {a_bits[index].item():#x} reference {b_bits[index].item():#x}"
+def first_difference(actual: torch.Tensor, expected: torch.Tensor) -> str:
+    mismatch = first_mismatch(expected, actual)
+    return "equal" if mismatch is None else mismatch.describe()
 
 
 def main() -> int:

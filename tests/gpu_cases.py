@@ -5,10 +5,8 @@ from __future__ import annotations
 import torch
 
 from mhc_ar import EmulatedAllReduceMHC, mxfp8_scale_bytes
+from conformance.runner import POISON_BF16, POISON_FP8, POISON_SCALE
 from reference import MixInputs, RankInputs, ReductionTree, all_reduce_mhc
-
-BF16_POISON = 0x7FC0  # a NaN no correct output lane equals (outputs hold the canonical 0x7FFF)
-BYTE_POISON = 0xFF
 
 
 def random_inputs(tp, m, hidden, hc, *, finalize=False, top_k=8, seed=0, residual_only=False, device="cuda"):
@@ -53,14 +51,14 @@ def poisoned_outputs(op: EmulatedAllReduceMHC, m: int, hidden: int, hc: int, *, 
     device = op.endpoints[0].mailbox.device
     outs, mx = [], []
     for _ in range(op.tp_size):
-        new_residual = torch.full((m, hc, hidden), BF16_POISON, dtype=torch.int16, device=device).view(torch.bfloat16)
+        new_residual = torch.full((m, hc, hidden), POISON_BF16, dtype=torch.int16, device=device).view(torch.bfloat16)
         layer_input = None
         if not residual_only:
-            layer_input = torch.full((m, hidden), BF16_POISON, dtype=torch.int16, device=device).view(torch.bfloat16)
+            layer_input = torch.full((m, hidden), POISON_BF16, dtype=torch.int16, device=device).view(torch.bfloat16)
         outs.append((new_residual, layer_input))
         if mxfp8:
-            values = torch.full((m, hidden), BYTE_POISON, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
-            scales = torch.full((mxfp8_scale_bytes(m, hidden),), BYTE_POISON, dtype=torch.uint8, device=device)
+            values = torch.full((m, hidden), POISON_FP8, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+            scales = torch.full((mxfp8_scale_bytes(m, hidden),), POISON_SCALE, dtype=torch.uint8, device=device)
             mx.append((values, scales))
     return outs, (mx if mxfp8 else None)
 
