@@ -192,6 +192,7 @@ class BenchResult:
     tp_rows: list[Row] = field(default_factory=list)
     eager_us: dict = field(default_factory=dict)
     eager_api: str = ""
+    mxfp8_diagnosis: list = field(default_factory=list)
     seconds: float = 0.0
 
 
@@ -226,6 +227,36 @@ def measure_tp1(hidden: int, hc: int, ms, ops) -> list[Row]:
         row.consumer_gbs = row.consumer_bytes / (row.fused_us * 1e-6) / 1e9
         rows.append(row)
         print(_format_row(row), flush=True)
+    return rows
+
+
+DIAGNOSIS_M = (1, 4, 16, 128)
+DIAGNOSIS_BUILDS = {  # name -> consumer stages left out (mhc_ar.config.DIAGNOSTIC_STAGES)
+    "mxfp8": (),
+    "mxfp8 without padding-scale zeroing": ("padding_scales",),
+    "mxfp8 without block quantization": ("mxfp8_block",),
+    "mxfp8 without either": ("padding_scales", "mxfp8_block"),
+}
+
+
+def measure_mxfp8_diagnosis(hidden: int, hc: int, ms, capacity: int, full_op) -> list[dict]:
+    """What the MXFP8 variant's extra time is made of: the same graph timing for builds that
+    leave a stage out (their outputs break the contract; they exist only here)."""
+    from mhc_ar import EmulatedAllReduceMHC
+
+    ops = {}
+    for name, omit in DIAGNOSIS_BUILDS.items():
+        ops[name] = EmulatedAllReduceMHC(tp_size=1, hidden_size=hidden, hc_mult=hc, max_num_tokens=capacity, quantize_layer_input=True)
+        if omit:
+            ops[name]._engine.omit_for_diagnosis(omit)
+    rows = []
+    for m in ms:
+        sets = _input_sets(1, m, hidden, hc, seed=m)
+        row = {"hidden": hidden, "m": m, "full": graph_time_us([FusedSide(full_op, s, mxfp8=False).call for s in sets])}
+        for name, op in ops.items():
+            row[name] = graph_time_us([FusedSide(op, s, mxfp8=True).call for s in sets])
+        rows.append(row)
+        print(f"diagnosis H{hidden} M{m}: " + ", ".join(f"{k} {v:.2f} us" for k, v in row.items() if k not in ("hidden", "m")), flush=True)
     return rows
 
 
@@ -287,7 +318,8 @@ def single_rank_op(hidden: int, hc: int, capacity: int):
 
 def eager_breakdown_us(op, inputs: Inputs, *, emulated: bool) -> dict:
     """Host wall time per eager call (host-bound at small M), and its parts: validation alone
-    and the two launches alone (pre-validated)."""
+    (with the output allocation), and the launch alone (pre-validated; AllReduceMHC launches
+    both kernels with one host call). Also the call with caller-given outputs (out=)."""
     i = inputs
     x = i.xs if emulated else i.xs[0]
     mix = (i.residual, i.post, i.comb, i.pre, i.norm_weight)
@@ -295,15 +327,14 @@ def eager_breakdown_us(op, inputs: Inputs, *, emulated: bool) -> dict:
     endpoint = op.endpoints[0] if emulated else op._endpoint
     launch = engine.validator.check_call(i.xs[0], mix, i.eps, None, None)
     tokens = i.xs[0].shape[0]
-
-    def launches():
-        engine.publish(endpoint, launch, tokens, finalize=False)
-        engine.consume(endpoint, launch, i.eps, tokens)
-
+    m, hc, hidden = i.residual.shape
+    out = (torch.empty(m, hc, hidden, dtype=torch.bfloat16, device="cuda"), torch.empty(m, hidden, dtype=torch.bfloat16, device="cuda"))
+    out_arg = [out] if emulated else out
     return {
         "call": _per_call_us(lambda: op(x, *mix, i.eps)),
-        "validation": _per_call_us(lambda: engine.validator.check_call(i.xs[0], mix, i.eps, None, None)),
-        "launches": _per_call_us(launches),
+        "call with out=": _per_call_us(lambda: op(x, *mix, i.eps, out=out_arg)),
+        "validation + allocation": _per_call_us(lambda: engine.validator.check_call(i.xs[0], mix, i.eps, None, None)),
+        "launch": _per_call_us(lambda: engine.publish_then_consume(endpoint, launch, i.eps, tokens, False)),
     }
 
 
@@ -342,6 +373,7 @@ def run(hiddens=H_SWEEP, ms=M_SWEEP, hc: int = 4, tps=TP_SWEEP, tp_ms=TP_M_SWEEP
                 result.eager_us[f"{m} parts"] = parts
                 print(f"eager {result.eager_api} H{hidden} M{m}: " + ", ".join(f"{k} {v:.2f} us" for k, v in parts.items()), flush=True)
             del real
+            result.mxfp8_diagnosis = measure_mxfp8_diagnosis(hidden, hc, [m for m in DIAGNOSIS_M if m <= capacity], capacity, ops["full"])
         del ops
     for tp in tps:
         result.tp_rows += measure_tp(tp, 5120, hc, tp_ms)
@@ -395,6 +427,11 @@ def write_report(result: BenchResult, out: Path) -> None:
         f"<td>{(r.fused_us - r.publish_us) / r.tp:.2f}</td></tr>"
         for r in result.tp_rows
     )
+    builds = ["full", *DIAGNOSIS_BUILDS]
+    diagnosis_rows = "".join(
+        f"<tr><td>{d['hidden']}</td><td>{d['m']}</td>" + "".join(f"<td>{d[b]:.2f}</td>" for b in builds) + "</tr>"
+        for d in result.mxfp8_diagnosis
+    )
     target_rows = "".join(
         f"<tr class='{'pass' if ok else 'fail'}'><td>{name}</td><td>{'met' if ok else 'missed'}</td><td>{figure}</td></tr>"
         for name, ok, figure in targets(result)
@@ -408,6 +445,8 @@ every time is the median per call of {REPEATS} replays of a CUDA graph of {CALLS
 <h2>Latency vs M (TP=1, hc=4)</h2>{svg}
 <table><tr><th>H</th><th>M</th><th>fused us</th><th>fused MXFP8 us</th><th>publish us</th><th>unfused us</th><th>unfused+quant us</th>
 <th>fused full + quantize us</th><th>speed-up</th><th>consumer bytes / fused time, GB/s</th></tr>{rows}</table>
+<h2>MXFP8 cost, stage by stage (us per call; builds that leave a stage out break the contract: diagnosis only)</h2>
+<table><tr><th>H</th><th>M</th>{"".join(f"<th>{html_escape(b)}</th>" for b in builds)}</tr>{diagnosis_rows}</table>
 <h2>Emulated TP, H=5120, hc=4 (consumer per rank = (all - publishes) / tp)</h2>
 <table><tr><th>tp</th><th>M</th><th>all ranks us</th><th>publishes us</th><th>consumer/rank us</th></tr>{tp_rows}</table>
 <h2>Eager __call__ latency (H=5120, hc=4, TP=1, host wall time per call)</h2>

@@ -8,13 +8,14 @@ device, so eager calls and CUDA graph replays behave the same.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+import dataclasses
+import math
+from typing import NamedTuple, Sequence
 
 import torch
 
 from . import validation as check
-from .compile import compile_consumer, compile_publish
+from .compile import compile_consumer, compile_publish, compile_publish_then_consume
 from .config import (
     DEFAULT_SPIN_TIMEOUT_NS,
     ConsumerSpec,
@@ -30,9 +31,8 @@ from .transport import RankEndpoint, emulated_endpoints, make_transport, multica
 _EMPTY = (0, 0, 0, 0)  # unused contribution addresses
 
 
-@dataclass(frozen=True)
-class _Launch:
-    """Validated addresses of one rank's call, ready to launch."""
+class _Launch(NamedTuple):
+    """Validated addresses of one rank's call, ready to launch (a tuple: cheap to build)."""
 
     contribution: tuple[int, int, int, int]  # source, gemm2, weights, routes
     mix: tuple[int, int, int, int, int]  # residual, post, comb, pre, norm_weight
@@ -53,13 +53,112 @@ class CallValidator:
         self.hidden_size, self.hc, self.capacity, self.top_k = hidden_size, hc_mult, max_num_tokens, top_k
         self.variant = variant
         self.device = device
+        # The common path's dtypes and names, in argument order.
+        bf16, f32 = torch.bfloat16, torch.float32
+        self._dtypes = (bf16, bf16, f32, f32) + {
+            Variant.FULL: (f32, bf16),
+            Variant.MXFP8: (f32, bf16, torch.float8_e4m3fn, torch.uint8),
+            Variant.RESIDUAL_ONLY: (),
+        }[variant]
+        norm = variant is not Variant.RESIDUAL_ONLY
+        self._names = (
+            ("x", "residual", "post", "comb")
+            + (("pre", "norm_weight") if norm else ())
+            + (("mxfp8_out[0] (values)", "mxfp8_out[1] (scales)") if variant is Variant.MXFP8 else ())
+            + ("out[0] (new_residual)",)
+            + (("out[1] (layer_input)",) if norm else ())
+        )
 
     # ---- validation (pure: raises ValueError, changes nothing) ------------------------------
 
     def check_call(self, x, mix, eps, mxfp8_out, out, tokens=None) -> _Launch:
+        launch = self._common_call(x, mix, eps, mxfp8_out, out, tokens)
+        if launch is not None:
+            return launch
         m = check.check_tokens(x, "x", self.capacity) if tokens is None else tokens
         address = check.check_tensor(x, "x", shape=(m, self.hidden_size), dtype=torch.bfloat16, device=self.device)
         return self._check_mix((address, 0, 0, 0), m, mix, eps, mxfp8_out, out)
+
+    def _common_call(self, x, mix, eps, mxfp8_out, out, tokens) -> _Launch | None:
+        """check_call's rules for the common case, folded into few Python operations (this runs
+        on every call, and host time is latency at small M). Returns None for anything it does
+        not accept; the full path then accepts it (e.g. post as [M, hc, 1], an int eps) or
+        raises the ValueError that names the problem. Overlapping tensors raise here."""
+        if type(eps) is not float or not 0.0 <= eps < math.inf:
+            return None
+        h, hc, variant = self.hidden_size, self.hc, self.variant
+        try:
+            residual, post, comb, pre, norm_weight = mix
+            m = x.shape[0] if tokens is None else tokens
+            if not 0 < m <= self.capacity:
+                return None
+            # Inputs first (x, then what the consumer reads), then outputs.
+            tensors = [x, residual, post, comb]
+            shapes = [(m, h), (m, hc, h), (m, hc), (m, hc, hc)]
+            dtypes = self._dtypes
+            if variant is Variant.RESIDUAL_ONLY:
+                if pre is not None or norm_weight is not None or mxfp8_out is not None:
+                    return None
+            else:
+                tensors += (pre, norm_weight)
+                shapes += ((m, hc), (h,))
+                if variant is Variant.MXFP8:
+                    values, scales = mxfp8_out
+                    tensors += (values, scales)
+                    shapes += ((m, h), (mxfp8_scale_bytes(m, h),))
+                elif mxfp8_out is not None:
+                    return None
+            if out is not None:
+                new_residual, layer_input = out
+                tensors.append(new_residual)
+                shapes.append((m, hc, h))
+                dtypes += (torch.bfloat16,)
+                if variant is Variant.RESIDUAL_ONLY:
+                    if layer_input is not None:
+                        return None
+                else:
+                    tensors.append(layer_input)
+                    shapes.append((m, h))
+                    dtypes += (torch.bfloat16,)
+            device, addresses = self.device, []
+            for tensor, dtype, shape in zip(tensors, dtypes, shapes):
+                if (
+                    tensor.dtype is not dtype
+                    or tensor.shape != shape
+                    or tensor.device != device
+                    or not tensor.is_contiguous()
+                ):
+                    return None
+                address = tensor.data_ptr()
+                if address % check.ALIGNMENT:
+                    return None
+                addresses.append(address)
+        except (AttributeError, TypeError, ValueError):
+            return None
+        inputs = 4 if variant is Variant.RESIDUAL_ONLY else 6
+        if len(tensors) > inputs:  # caller-given outputs: none may overlap an input or another
+            spans = [(name, address, t.numel() * t.element_size()) for name, address, t in zip(self._names, addresses, tensors)]
+            check.check_no_overlap(spans[inputs:], spans[1:inputs])  # x is read by the publish, before
+            check.check_disjoint(spans[inputs:])
+        mx_values, mx_scales = (addresses[6], addresses[7]) if variant is Variant.MXFP8 else (0, 0)
+        if out is None:
+            residual_size = m * hc * h
+            if variant is Variant.RESIDUAL_ONLY:
+                new_residual = torch.empty((m, hc, h), dtype=torch.bfloat16, device=self.device)
+                layer_input = None
+            else:
+                # One allocation (host time) cut in two by as_strided (the cheapest view).
+                buffer = torch.empty(residual_size + m * h, dtype=torch.bfloat16, device=self.device)
+                new_residual = buffer.as_strided((m, hc, h), (hc * h, h, 1))
+                layer_input = buffer.as_strided((m, h), (h, 1), residual_size)
+        layer_address = 0 if layer_input is None else layer_input.data_ptr()
+        mix_addresses = (*addresses[1:4], *(addresses[4:6] if inputs == 6 else (0, 0)))
+        return _Launch(
+            (addresses[0], 0, 0, 0),
+            mix_addresses,
+            (new_residual.data_ptr(), layer_address, mx_values, mx_scales),
+            (new_residual, layer_input),
+        )
 
     def check_finalize(self, gemm2, weights, routes, shared, mix, eps, mxfp8_out, out) -> _Launch:
         if self.top_k < 1:
@@ -105,12 +204,13 @@ class CallValidator:
             scale_bytes = mxfp8_scale_bytes(m, h)
             mx_values = check.check_tensor(values, "mxfp8_out[0] (values)", shape=(m, h), dtype=torch.float8_e4m3fn, device=dev)
             mx_scales = check.check_tensor(scales, "mxfp8_out[1] (scales)", shape=(scale_bytes,), dtype=torch.uint8, device=dev)
-            outputs += [("mxfp8 values", mx_values, m * h), ("mxfp8 scales", mx_scales, scale_bytes)]
+            outputs += [("mxfp8_out[0] (values)", mx_values, m * h), ("mxfp8_out[1] (scales)", mx_scales, scale_bytes)]
         elif mxfp8_out is not None:
             raise ValueError("mxfp8_out given, but this instance was built with quantize_layer_input=False")
 
         if out is None:
             check.check_no_overlap(outputs, inputs)
+            check.check_disjoint(outputs)
             # One allocation for both outputs (each allocation is microseconds of host time).
             residual_size = m * hc * h
             buffer = torch.empty(residual_size + (0 if residual_only else m * h), dtype=bf16, device=dev)
@@ -121,14 +221,15 @@ class CallValidator:
                 raise ValueError("out must be a (new_residual, layer_input) pair")
             new_residual, layer_input = out
             address = check.check_tensor(new_residual, "out[0] (new_residual)", shape=(m, hc, h), dtype=bf16, device=dev)
-            outputs.append(("new_residual", address, m * hc * h * 2))
+            outputs.append(("out[0] (new_residual)", address, m * hc * h * 2))
             if residual_only:
                 if layer_input is not None:
                     raise ValueError("out[1] must be None for a residual_only instance")
             else:
                 address = check.check_tensor(layer_input, "out[1] (layer_input)", shape=(m, h), dtype=bf16, device=dev)
-                outputs.append(("layer_input", address, m * h * 2))
+                outputs.append(("out[1] (layer_input)", address, m * h * 2))
             check.check_no_overlap(outputs, inputs)
+            check.check_disjoint(outputs)
 
         return _Launch(
             contribution,
@@ -139,16 +240,26 @@ class CallValidator:
 
 
 class _Engine:
-    """The compiled kernels of one configuration and their launches."""
+    """The compiled kernels of one configuration and their launches.
 
-    def __init__(self, *, hidden_size, hc_mult, max_num_tokens, top_k, tp, device, variant, multicast, spin_timeout_s):
+    `together`: also build the publish and the consumer behind one host function, so an eager
+    call is one TVM-FFI call (AllReduceMHC). The emulated object launches all publishes before
+    all consumers, so it keeps them apart."""
+
+    def __init__(self, *, hidden_size, hc_mult, max_num_tokens, top_k, tp, device, variant, multicast, spin_timeout_s, together=False):
         if isinstance(spin_timeout_s, bool) or not isinstance(spin_timeout_s, (int, float)) or not spin_timeout_s > 0:
             raise ValueError(f"spin_timeout_s must be a positive number of seconds, got {spin_timeout_s!r}")
         self.validator = CallValidator(
             hidden_size=hidden_size, hc_mult=hc_mult, max_num_tokens=max_num_tokens, top_k=top_k, variant=variant, device=device
         )
         self.capacity = max_num_tokens
-        self.consumer_spec = ConsumerSpec(
+        self.together = together
+        common = dict(hidden_size=hidden_size, tp=tp, capacity=max_num_tokens, multicast=multicast)
+        self.publish_specs = {False: PublishSpec(contribution=Contribution.CALL, top_k=0, **common)}
+        if top_k >= 1:
+            self.publish_specs[True] = PublishSpec(contribution=Contribution.FINALIZE, top_k=top_k, **common)
+        self._publish = {finalize: _positional(compile_publish(spec).function) for finalize, spec in self.publish_specs.items()}
+        spec = ConsumerSpec(
             choose_consumer_tiling(hidden_size),
             hc=hc_mult,
             tp=tp,
@@ -156,45 +267,38 @@ class _Engine:
             variant=variant,
             spin_timeout_ns=int(spin_timeout_s * 1e9),
         )
-        common = dict(hidden_size=hidden_size, tp=tp, capacity=max_num_tokens, multicast=multicast)
-        self.publish_call = compile_publish(PublishSpec(contribution=Contribution.CALL, top_k=0, **common))
-        self.publish_finalize = None
-        if top_k >= 1:
-            self.publish_finalize = compile_publish(PublishSpec(contribution=Contribution.FINALIZE, top_k=top_k, **common))
-        self.consumer = compile_consumer(self.consumer_spec)
-        self._publish_call = _positional(self.publish_call.function)
-        self._publish_finalize = None if self.publish_finalize is None else _positional(self.publish_finalize.function)
+        self._build_consumer(spec)
+
+    def _build_consumer(self, spec: ConsumerSpec) -> None:
+        self.consumer_spec = spec
+        self.consumer = compile_consumer(spec)
         self._consume = _positional(self.consumer.function)
+        self._both = {}
+        if self.together:
+            self._both = {
+                finalize: _positional(compile_publish_then_consume(publish, spec).function)
+                for finalize, publish in self.publish_specs.items()
+            }
+
+    def omit_for_diagnosis(self, stages) -> None:
+        """Bench only: rebuild the consumer with stages of mhc_ar.config.DIAGNOSTIC_STAGES left
+        out, to time what they cost. The outputs then break the numerics contract."""
+        self._build_consumer(dataclasses.replace(self.consumer_spec, omit=frozenset(stages)))
 
     def publish(self, endpoint: RankEndpoint, launch: _Launch, tokens: int, finalize: bool) -> None:
-        launch_kernel = self._publish_finalize if finalize else self._publish_call
-        launch_kernel(
-            *launch.contribution,
-            endpoint.state,
-            *endpoint.peer_addresses,
-            endpoint.multicast_address,
-            endpoint.rank,
-            tokens,
-        )
+        self._publish[finalize](*launch.contribution, *endpoint.publish_arguments, tokens)
 
     def consume(self, endpoint: RankEndpoint, launch: _Launch, eps: float, tokens: int) -> None:
-        residual, post, comb, pre, norm_weight = launch.mix
-        new_residual, layer_input, mx_values, mx_scales = launch.outputs
-        self._consume(
-            endpoint.mailbox_address,
-            endpoint.state,
-            residual,
-            post,
-            comb,
-            pre,
-            norm_weight,
-            new_residual,
-            layer_input,
-            mx_values,
-            mx_scales,
-            eps,
-            tokens,
-        )
+        self._consume(endpoint.mailbox_address, endpoint.state, *launch.mix, *launch.outputs, eps, tokens)
+
+    def publish_then_consume(self, endpoint: RankEndpoint, launch: _Launch, eps: float, tokens: int, finalize: bool) -> None:
+        """One rank's whole call: one host call if built `together`, else two."""
+        both = self._both.get(finalize)
+        if both is None:
+            self.publish(endpoint, launch, tokens, finalize)
+            self.consume(endpoint, launch, eps, tokens)
+            return
+        both(*launch.contribution, *endpoint.publish_arguments, endpoint.mailbox_address, *launch.mix, *launch.outputs, eps, tokens)
 
 
 def _positional(function):
@@ -276,6 +380,7 @@ class AllReduceMHC:
             variant=variant,
             multicast=transport is Transport.MULTICAST,
             spin_timeout_s=spin_timeout_s,
+            together=True,
         )
         make_endpoint = multicast_endpoint if transport is Transport.MULTICAST else unicast_endpoint
         self._endpoint = make_endpoint(group, max_num_tokens, hidden_size, device)
@@ -291,9 +396,7 @@ class AllReduceMHC:
         Returns (new_residual [M, hc, H] bf16, layer_input [M, H] bf16 or None)."""
         engine = self._engine
         launch = engine.validator.check_call(x, (residual, post, comb, pre, norm_weight), eps, mxfp8_out, out)
-        tokens = x.shape[0]
-        engine.publish(self._endpoint, launch, tokens, finalize=False)
-        engine.consume(self._endpoint, launch, float(eps), tokens)
+        engine.publish_then_consume(self._endpoint, launch, float(eps), x.shape[0], False)
         return launch.results
 
     def finalize(
@@ -317,9 +420,7 @@ class AllReduceMHC:
         engine = self._engine
         mix = (residual, post, comb, pre, norm_weight)
         launch = engine.validator.check_finalize(gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx, shared_output, mix, eps, mxfp8_out, out)
-        tokens = shared_output.shape[0]
-        engine.publish(self._endpoint, launch, tokens, finalize=True)
-        engine.consume(self._endpoint, launch, float(eps), tokens)
+        engine.publish_then_consume(self._endpoint, launch, float(eps), shared_output.shape[0], True)
         return launch.results
 
 

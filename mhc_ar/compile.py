@@ -21,6 +21,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 from .config import ConsumerSpec, Contribution, PublishSpec, Variant, choose_consumer_tiling
 from .kernels.consumer import ConsumerKernel
+from .kernels.layer_call import PublishThenConsume
 from .kernels.publish import PublishKernel
 from .protocol import STATE_WORDS
 
@@ -86,13 +87,36 @@ def compile_consumer(spec: ConsumerSpec, arch: str | None = None, keep_ptx: bool
     return CompiledKernel(consumer_name(spec), spec, arch, function)
 
 
+@functools.cache
+def compile_publish_then_consume(
+    publish: PublishSpec, consumer: ConsumerSpec, arch: str | None = None, keep_ptx: bool = False
+) -> CompiledKernel:
+    """Both kernels behind one host function (one launch call per eager AllReduceMHC call)."""
+    zero = Int64(0)
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    function = cute.compile(
+        PublishThenConsume(publish, consumer),
+        *([zero] * 4),  # source, gemm2, weights, routes
+        _fake_state(),
+        *([zero] * 9),  # 8 peers, multicast
+        Int32(0),  # rank
+        *([zero] * 10),  # mailbox, residual .. mx_scales
+        Float32(1e-6),
+        Int32(1),
+        stream,
+        options=_options(arch, keep_ptx),
+    )
+    return CompiledKernel(f"{publish_name(publish)}+{consumer_name(consumer)}", (publish, consumer), arch, function)
+
+
 def publish_name(spec: PublishSpec) -> str:
     transport = "multicast" if spec.multicast else "unicast"
     return f"publish-{spec.contribution.value}-{transport}-H{spec.hidden_size}-tp{spec.tp}-k{spec.top_k}"
 
 
 def consumer_name(spec: ConsumerSpec) -> str:
-    return f"consumer-{spec.variant.value}-H{spec.hidden_size}-hc{spec.hc}-tp{spec.tp}"
+    omitted = "".join(f"-no_{stage}" for stage in sorted(spec.omit))
+    return f"consumer-{spec.variant.value}-H{spec.hidden_size}-hc{spec.hc}-tp{spec.tp}{omitted}"
 
 
 def kernel_variants(hidden_size: int = 5120, hc: int = 4, tp: int = 8, capacity: int = 128, top_k: int = 8):

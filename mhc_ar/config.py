@@ -136,6 +136,11 @@ def choose_consumer_tiling(hidden_size: int) -> ConsumerTiling:
     return ConsumerTiling(hidden_size, cluster, threads, per_cta)
 
 
+# Consumer stages a diagnostic build may leave out (MXFP8 variant): the zeroing of the padding
+# scale rows, and the per-block quantization (amax, scale, e4m3 values and scale stores).
+DIAGNOSTIC_STAGES = frozenset({"padding_scales", "mxfp8_block"})
+
+
 @dataclass(frozen=True)
 class ConsumerSpec:
     """Everything one consumer compile depends on."""
@@ -146,9 +151,14 @@ class ConsumerSpec:
     capacity: int
     variant: Variant
     spin_timeout_ns: int = DEFAULT_SPIN_TIMEOUT_NS
+    # Diagnosis only (the bench times a variant with a stage left out; outputs then break the
+    # contract): a subset of DIAGNOSTIC_STAGES. Never set by AllReduceMHC.
+    omit: frozenset = frozenset()
 
     def __post_init__(self):
         _check_sizes(self.tiling.hidden_size, self.tp, self.capacity)
+        if not self.omit <= DIAGNOSTIC_STAGES:
+            raise ValueError(f"omit must be a subset of {sorted(DIAGNOSTIC_STAGES)}, got {sorted(self.omit)}")
         if not 0 < self.spin_timeout_ns < 2**62:
             raise ValueError(f"spin timeout must be positive, got {self.spin_timeout_ns} ns")
         if not 1 <= self.hc <= MAX_HC:

@@ -245,8 +245,9 @@ def st_global_u8(address: Int64, value: Uint32, predicate=None, *, loc=None, ip=
 
 
 @dsl_user_op
-def st_global_u32(address: Int64, value: Uint32, *, loc=None, ip=None) -> None:
-    _store("st.global.b32 [$0], $1;", "l,r", [Int64(address), Uint32(value)], None, loc, ip)
+def st_global_u32(address: Int64, value: Uint32, predicate=None, *, loc=None, ip=None) -> None:
+    """4-byte store: the 4 scales of one MXFP8 padding row in one 16-byte chunk."""
+    _store("st.global.b32 [$0], $1;", "l,r", [Int64(address), Uint32(value)], predicate, loc, ip)
 
 
 @dsl_user_op

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -46,6 +47,8 @@ class RankEndpoint:
 
     def __post_init__(self):
         self.mailbox_address = self.mailbox.data_ptr()
+        # The publish kernel's per-rank arguments after the contribution, in its order.
+        self.publish_arguments = (self.state, *self.peer_addresses, self.multicast_address, self.rank)
 
     def reset(self) -> None:
         """Re-arm every mailbox slot and restart the generation count (tests; not collective)."""
@@ -117,10 +120,9 @@ def multicast_endpoint(group, capacity: int, hidden_size: int, device: torch.dev
     if os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST") == "1":
         raise ValueError("transport='multicast' requested but TORCH_SYMM_MEM_DISABLE_MULTICAST=1 is set")
     endpoint = unicast_endpoint(group, capacity, hidden_size, device)
-    endpoint.multicast_address = endpoint.handle.multicast_ptr
-    if not endpoint.multicast_address:
+    if not endpoint.handle.multicast_ptr:
         raise ValueError("symmetric memory returned no multicast address for this group")
-    return endpoint
+    return dataclasses.replace(endpoint, multicast_address=endpoint.handle.multicast_ptr)
 
 
 def make_transport(transport: Transport) -> Transport:

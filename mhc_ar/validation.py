@@ -80,3 +80,11 @@ def check_no_overlap(outputs, inputs) -> None:
         for in_name, i_start, i_size in inputs:
             if o_start < i_start + i_size and i_start < o_start + o_size:
                 raise ValueError(f"{out_name} overlaps {in_name}: outputs must not alias inputs")
+
+
+def check_disjoint(outputs) -> None:
+    """No two outputs share memory (each is written by the kernel). (name, address, nbytes)."""
+    for i, (a_name, a_start, a_size) in enumerate(outputs):
+        for b_name, b_start, b_size in outputs[i + 1 :]:
+            if a_start < b_start + b_size and b_start < a_start + a_size:
+                raise ValueError(f"{a_name} overlaps {b_name}: outputs must not share memory")

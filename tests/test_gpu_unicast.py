@@ -65,13 +65,19 @@ def test_unicast_one_rank_group_matches_reference(one_rank_group, variant):
             if mxfp8:
                 mx = (torch.empty(m, HIDDEN, dtype=torch.float8_e4m3fn, device="cuda"),
                       torch.full((mxfp8_scale_bytes(m, HIDDEN),), 0xFF, dtype=torch.uint8, device="cuda"))
+            out = None
+            if m == 17:  # caller-given outputs, poisoned
+                out = (torch.full((m, HC, HIDDEN), float("nan"), dtype=torch.bfloat16, device="cuda"),
+                       torch.full((m, HIDDEN), float("nan"), dtype=torch.bfloat16, device="cuda"))
             args = (mix.residual, mix.post, mix.comb, mix.pre, mix.norm_weight, mix.eps)
             r = ranks[0]
             if finalize:
                 new_residual, layer_input = op.finalize(r.gemm2_permuted, r.expert_weights, r.expanded_idx_to_permuted_idx,
-                                                        r.shared_output, *args, mxfp8_out=mx)
+                                                        r.shared_output, *args, mxfp8_out=mx, out=out)
             else:
-                new_residual, layer_input = op(r.x, *args, mxfp8_out=mx)
+                new_residual, layer_input = op(r.x, *args, mxfp8_out=mx, out=out)
+            if out is not None:
+                assert new_residual is out[0] and layer_input is out[1]
             ref = reference_for(op, ranks, mix, mxfp8=mxfp8)
             assert_bitwise_equal(new_residual, ref.new_residual, f"M={m} finalize={finalize} new_residual")
             assert_bitwise_equal(layer_input, ref.layer_input, f"M={m} finalize={finalize} layer_input")

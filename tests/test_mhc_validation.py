@@ -80,8 +80,75 @@ def test_call_rejections_name_the_argument(args, match):
 
 def test_outputs_must_not_alias_inputs():
     inputs = mix()
-    with pytest.raises(ValueError, match="new_residual overlaps residual"):
+    with pytest.raises(ValueError, match="new_residual.* overlaps residual"):
         validator().check_call(X, inputs, 1e-6, None, (inputs[0], aligned((M, H), torch.bfloat16)))
+    # layer_input inside the norm weight's storage (same dtype, same element count per row).
+    weight = aligned((M * H,), torch.bfloat16)
+    with pytest.raises(ValueError, match="layer_input.* overlaps norm_weight"):
+        validator().check_call(X, mix(norm_weight=weight[:H]), 1e-6, None, (aligned((M, HC, H), torch.bfloat16), weight.view(M, H)))
+
+
+def test_outputs_must_not_alias_each_other():
+    storage = aligned((M * HC * H,), torch.bfloat16)
+    out = (storage.view(M, HC, H), storage[: M * H].view(M, H))
+    with pytest.raises(ValueError, match="new_residual.* overlaps out\\[1\\] \\(layer_input\\)"):
+        validator().check_call(X, mix(), 1e-6, None, out)
+    v = validator(Variant.MXFP8)
+    scale_bytes = mxfp8_scale_bytes(M, H)
+    raw = aligned((M * H + scale_bytes,), torch.uint8)
+    values = raw[: M * H].view(torch.float8_e4m3fn).view(M, H)
+    with pytest.raises(ValueError, match="values.* overlaps .*scales"):
+        v.check_call(X, mix(), 1e-6, (values, raw[:scale_bytes]), None)
+
+
+def _full_path(v, x, inputs, eps, mxfp8_out, out):
+    """check_call without its common-case shortcut: the reference the shortcut must agree with."""
+    return v._check_mix((x.data_ptr(), 0, 0, 0), x.shape[0], inputs, eps, mxfp8_out, out)
+
+
+@pytest.mark.parametrize("variant", list(Variant))
+@pytest.mark.parametrize("given_out", [False, True])
+def test_common_path_launches_what_the_full_path_launches(variant, given_out):
+    """The shortcut (taken for the calls below) and the full path give the same addresses, and
+    fresh outputs of the same shapes; so every rejection above went through both."""
+    v = validator(variant)
+    inputs = mix(pre=None, norm_weight=None) if variant is Variant.RESIDUAL_ONLY else mix()
+    mx = None
+    if variant is Variant.MXFP8:
+        mx = (aligned((M, H), torch.float8_e4m3fn), aligned((mxfp8_scale_bytes(M, H),), torch.uint8))
+    out = None
+    if given_out:
+        out = (aligned((M, HC, H), torch.bfloat16), None if variant is Variant.RESIDUAL_ONLY else aligned((M, H), torch.bfloat16))
+    shortcut = v._common_call(X, inputs, 1e-6, mx, out, None)
+    assert shortcut is not None, "the common path must accept this call"
+    full = _full_path(v, X, inputs, 1e-6, mx, out)
+    assert shortcut.contribution == full.contribution and shortcut.mix == full.mix
+    if given_out:
+        assert shortcut.outputs == full.outputs
+        assert all(a is b for a, b in zip(shortcut.results, full.results))
+    else:
+        assert shortcut.outputs[2:] == full.outputs[2:]
+        for mine, theirs in zip(shortcut.results, full.results):
+            assert (mine is None) == (theirs is None)
+            if mine is not None:
+                assert mine.shape == theirs.shape and mine.dtype == theirs.dtype and mine.is_contiguous()
+        if variant is not Variant.RESIDUAL_ONLY:  # one allocation: layer_input right after new_residual
+            new_residual, layer_input = shortcut.results
+            assert shortcut.outputs[1] == new_residual.data_ptr() + new_residual.numel() * 2 == layer_input.data_ptr()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        dict(eps=1),  # an int eps: accepted by the full path
+        dict(mix=mix(post=aligned((M, HC, 1), torch.float32))),  # post as [M, hc, 1]
+        dict(x=aligned((M, 2 * H), torch.bfloat16)[:, ::2]),  # rejected by the full path
+    ],
+)
+def test_common_path_defers_unusual_calls(args):
+    kwargs = dict(x=X, mix=mix(), eps=1e-6)
+    kwargs.update(args)
+    assert validator()._common_call(kwargs["x"], kwargs["mix"], kwargs["eps"], None, None, None) is None
 
 
 def test_mxfp8_outputs():

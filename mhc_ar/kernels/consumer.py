@@ -42,6 +42,8 @@ _BF16_BYTES = 2
 _F32_BYTES = 4
 _WORDS = 4  # 32-bit words per 16-byte vector
 _SCALE_ROW_TILE = 128  # the 128x4 scale layout pads rows to a multiple of 128
+_CHUNKS_PER_GROUP = 32  # 16-byte chunks per 512-byte group of the 128x4 layout
+_ROWS_PER_CHUNK = 4  # rows i, i+32, i+64, i+96 of a tile share chunk i
 _BUTTERFLY_STEPS = WARP_SIZE.bit_length() - 1  # xor offsets 16, 8, 4, 2, 1
 
 
@@ -165,7 +167,7 @@ class ConsumerKernel:
         if cutlass.const_expr(self.has_norm):
             pre_t = [ptx.ld_global_f32(pre + (row * hc + t) * _F32_BYTES) for t in range(hc)]
 
-        if cutlass.const_expr(self.has_mxfp8):
+        if cutlass.const_expr(self.has_mxfp8 and "padding_scales" not in spec.omit):
             # Independent of the data: issued before the spin, so the stores overlap its wait.
             self._zero_padding_scales(bid, tid, num_tokens, mx_scales)
 
@@ -238,7 +240,7 @@ class ConsumerKernel:
                 w = _widen(ptx.ld_global_v4(norm_weight + column * _BF16_BYTES, valid))
                 out = _narrow([ptx.mul_rn(ptx.mul_rn(p[j], inv), w[j]) for j in range(VECTOR_ELEMS)])
                 ptx.st_global_v4(layer_input + (row * hidden + column) * _BF16_BYTES, *out, valid)
-                if cutlass.const_expr(self.has_mxfp8):
+                if cutlass.const_expr(self.has_mxfp8 and "mxfp8_block" not in spec.omit):
                     self._mxfp8_block(out, row, vector, column, lane, valid, mx_values, mx_scales)
 
         if bid == 0 and tid == 0:
@@ -297,22 +299,28 @@ class ConsumerKernel:
 
     @cute.jit
     def _zero_padding_scales(self, bid, tid, num_tokens, mx_scales):
-        """Scale rows M .. roundup(M,128)-1 are zero. The 4 scales of columns 4g..4g+3 of one row
-        are 4 contiguous bytes of the 128x4 layout, at g*512 + (r%32)*16 + ((r%128)//32)*4
-        + (r//128)*128*(H/32); the padding is (padded rows) x (H/128) such words, spread over every
-        thread of the grid (a handful of stores each, even at M=1)."""
+        """Scale rows M .. roundup(M,128)-1 are zero. In the 128x4 layout the scales of columns
+        4g..4g+3 of row r are the 4 bytes at g*512 + (r%32)*16 + ((r%128)//32)*4
+        + (r//128)*128*(H/32): the 16-byte chunk i of group g holds rows i, i+32, i+64, i+96 of
+        a 128-row tile. Only the last tile has padding rows (local rows m0 = M%128 .. 127).
+        A chunk with i >= m0 is all padding: one 16-byte store, and consecutive threads take
+        consecutive chunks, so a warp writes 512 contiguous bytes. A chunk with i < m0 holds
+        token rows (written by their clusters) and up to 3 padding rows: 4-byte stores."""
         groups = self.spec.hidden_size // (4 * MXFP8_BLOCK)
-        tile_bytes = _SCALE_ROW_TILE * self._scale_columns()
-        padded_rows = (num_tokens + (_SCALE_ROW_TILE - 1)) // _SCALE_ROW_TILE * _SCALE_ROW_TILE
-        words = (padded_rows - num_tokens) * groups
+        m0 = num_tokens % _SCALE_ROW_TILE
+        tile = Int64(num_tokens // _SCALE_ROW_TILE) * (_SCALE_ROW_TILE * self._scale_columns())
         stride = num_tokens * self.tiling.cluster_size * self.tiling.threads_per_cta
         unit = bid * self.tiling.threads_per_cta + tid
-        while unit < words:
-            pad = unit // groups  # groups is a compile-time constant: a multiply-shift
-            group = unit - pad * groups
-            row = num_tokens + pad
-            offset = group * 512 + (row % 32) * 16 + ((row % 128) // 32) * 4 + (row // 128) * tile_bytes
-            ptx.st_global_u32(mx_scales + Int64(offset), Uint32(0))
+        if m0 == 0:
+            unit = Int32(_CHUNKS_PER_GROUP * groups)  # M is a multiple of 128: no padding rows
+        zero = Uint32(0)
+        while unit < _CHUNKS_PER_GROUP * groups:
+            group = unit // _CHUNKS_PER_GROUP
+            i = unit - group * _CHUNKS_PER_GROUP
+            chunk = mx_scales + tile + Int64(group * 512 + i * 16)
+            ptx.st_global_v4(chunk, zero, zero, zero, zero, i >= m0)
+            for k in cutlass.range_constexpr(1, _ROWS_PER_CHUNK):
+                ptx.st_global_u32(chunk + 4 * k, zero, (i < m0) & (i + 32 * k >= m0))
             unit = unit + stride
 
     def _scale_columns(self) -> int:
