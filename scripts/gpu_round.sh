@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU round on a device machine, every step logged under $OUT (default /tmp/mhc_out):
-#   bash scripts/gpu_round.sh [smoke] [rsqrt] [tests] [conformance] [bench] ...
+#   bash scripts/gpu_round.sh [smoke] [rsqrt] [tests] [conformance] [full-a] [full-b] [bench] ...
 # Each step runs under `timeout`, so a hung kernel costs minutes, not the whole lease.
 set -u
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -31,6 +31,11 @@ for step in "${steps[@]}"; do
         tests) run tests 540 $PY -m pytest -q -x -p no:cacheprovider -m gpu tests ;;
         tests-all) run tests-all 540 $PY -m pytest -q -p no:cacheprovider -m gpu tests ;;
         conformance) run conformance 420 $PY -m conformance run --out "$OUT/reports" ;;
+        # The complete matrix (3456 cases) in two halves, each under the device's 10-minute limit;
+        # the second skips the checks that do not depend on the cases (the first ran them).
+        full-a) run full-a 560 $PY -m conformance run --full --tp 1,2 --out "$OUT/reports" --run-id full-tp1-2 --no-progress ;;
+        full-b) run full-b 560 $PY -m conformance run --full --tp 4,8 --out "$OUT/reports" --run-id full-tp4-8 --no-progress \
+                    --skip-compile-checks --skip-reference-checks ;;
         conformance-quick) run conformance-quick 300 $PY -m conformance run --quick --out "$OUT/reports" ;;
         bench) run bench 420 $PY -m conformance.bench --out "$OUT/bench" ;;
         *) echo "unknown step $step"; status=1 ;;
