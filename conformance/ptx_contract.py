@@ -192,8 +192,9 @@ def _is_global_load(i: Instruction) -> bool:
     return op.startswith("cp.async") and ".global" in op
 
 
-def _loads_before_wait(kernel: _Kernel, wait: int) -> list[Instruction]:
-    """Global loads on some path from the kernel entry that does not pass the wait at `wait`."""
+def _reachable_before(kernel: _Kernel, wait: int, predicate: Callable[[Instruction], bool]) -> list[Instruction]:
+    """Instructions matching `predicate` on some path from the kernel entry that does not pass
+    the instruction at index `wait`."""
     wait_block = kernel.block_of[wait]
     early: list[Instruction] = []
     seen, todo = {0}, [0]
@@ -202,14 +203,76 @@ def _loads_before_wait(kernel: _Kernel, wait: int) -> list[Instruction]:
         body = kernel.block_instructions(b)
         if b == wait_block:
             start = kernel.block_starts[b]
-            early += [i for i in kernel.instructions[start:wait] if _is_global_load(i)]
+            early += [i for i in kernel.instructions[start:wait] if predicate(i)]
             continue  # every path through this block passes the wait
-        early += [i for i in body if _is_global_load(i)]
+        early += [i for i in body if predicate(i)]
         for nxt in kernel.successors[b]:
             if nxt not in seen:
                 seen.add(nxt)
                 todo.append(nxt)
     return sorted(early, key=lambda i: i.line)
+
+
+def _loads_before_wait(kernel: _Kernel, wait: int) -> list[Instruction]:
+    """Global loads on some path from the kernel entry that does not pass the wait at `wait`."""
+    return _reachable_before(kernel, wait, _is_global_load)
+
+
+def _is_global_store(i: Instruction) -> bool:
+    op = i.opcode
+    if op.startswith("st.") or op.startswith("multimem.st"):
+        return ".global" in op or not any(s in op for s in (".param", ".shared", ".local"))
+    return False
+
+
+def _zero_registers(kernel: _Kernel) -> set[str]:
+    """Registers whose every definition is `mov.b32 %r, 0`."""
+    defined: dict[str, set[str]] = {}
+    for i in kernel.instructions:
+        parts = [p.strip() for p in i.operands.split(",")]
+        if parts and parts[0].startswith("%") and not i.opcode.startswith(("st.", "bra", "setp", "@")):
+            value = parts[1] if i.opcode.startswith("mov.") and len(parts) == 2 else None
+            defined.setdefault(parts[0], set()).add(value if value is not None else "?")
+    return {reg for reg, values in defined.items() if values == {"0"}}
+
+
+def _consumer_stores_before_wait(kernel: _Kernel, variant: Variant) -> PtxCheck:
+    """PDL: the consumer may store before griddepcontrol.wait only zeros into the MXFP8 padding
+    scales (it starts after the publish passed its wait; see the kernel). Any other early
+    store could race a kernel still reading last call's outputs."""
+    name = "stores before griddepcontrol.wait: only MXFP8 padding zeros"
+    wait = kernel.first_index(lambda i: i.opcode == "griddepcontrol.wait")
+    if wait is None:
+        return PtxCheck(name, False, "no griddepcontrol.wait")
+    early = _reachable_before(kernel, wait, _is_global_store)
+    if variant is not Variant.MXFP8:
+        if early:
+            return PtxCheck(name, False, f"line {early[0].line}: {early[0].text} is reachable before the wait")
+        return PtxCheck(name, True, "no global store before the wait")
+    zeros = _zero_registers(kernel)
+    for i in early:
+        values = re.findall(r"%\w+", i.operands.split("]", 1)[-1])
+        if not values or not all(v in zeros for v in values):
+            return PtxCheck(name, False, f"line {i.line}: {i.text} stores a value other than zero before the wait")
+    if not early:
+        return PtxCheck(name, False, "no padding-scale stores before the wait (expected them to overlap the publish)")
+    return PtxCheck(name, True, f"{len(early)} zero stores (padding scales) before the wait, nothing else")
+
+
+def _dependents_after_wait(kernel: _Kernel) -> PtxCheck:
+    """The publish triggers its dependent (the consumer) only after its own wait: so when the
+    consumer starts, every kernel before the publish has finished (what the consumer's early
+    padding-scale stores rely on)."""
+    name = "griddepcontrol.launch_dependents after griddepcontrol.wait"
+    wait = kernel.first_index(lambda i: i.opcode == "griddepcontrol.wait")
+    if wait is None:
+        return PtxCheck(name, False, "no griddepcontrol.wait")
+    early = _reachable_before(kernel, wait, lambda i: i.opcode == "griddepcontrol.launch_dependents")
+    if early:
+        return PtxCheck(name, False, f"line {early[0].line}: launch_dependents is reachable before the wait")
+    if kernel.count("griddepcontrol.launch_dependents") == 0:
+        return PtxCheck(name, False, "no griddepcontrol.launch_dependents (the consumer would not overlap)")
+    return PtxCheck(name, True, "every launch_dependents follows the wait")
 
 
 def _griddepcontrol_first(kernel: _Kernel) -> PtxCheck:
@@ -298,6 +361,7 @@ def check_consumer_ptx(ptx: str, variant: Variant) -> list[PtxCheck]:
         _spin_compares_integer_lanes(kernel),
         _present(kernel, "st.global.v4.b32", "re-arm consumed slots, bf16 outputs"),
         _griddepcontrol_first(kernel),
+        _consumer_stores_before_wait(kernel, variant),
         _present(kernel, "cvt.rn.bf16x2.f32", "one rounding to bf16 per stage"),
     ]
     if has_norm:
@@ -325,6 +389,7 @@ def check_publish_ptx(ptx: str, contribution: Contribution, multicast: bool, tp:
     multimem_stores = [i for i in multimem if i.opcode.startswith("multimem.st")]
     checks = [
         _griddepcontrol_first(kernel),
+        _dependents_after_wait(kernel),
         _no_ftz_arithmetic(kernel),
         _sentinel_compares(kernel, "scrub: -0.0 lanes published as +0.0"),
     ]

@@ -9,6 +9,7 @@ device, so eager calls and CUDA graph replays behave the same.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple, Sequence
 
@@ -53,13 +54,7 @@ class CallValidator:
         self.hidden_size, self.hc, self.capacity, self.top_k = hidden_size, hc_mult, max_num_tokens, top_k
         self.variant = variant
         self.device = device
-        # The common path's dtypes and names, in argument order.
-        bf16, f32 = torch.bfloat16, torch.float32
-        self._dtypes = (bf16, bf16, f32, f32) + {
-            Variant.FULL: (f32, bf16),
-            Variant.MXFP8: (f32, bf16, torch.float8_e4m3fn, torch.uint8),
-            Variant.RESIDUAL_ONLY: (),
-        }[variant]
+        # The common path's names of the tensors, in argument order (for overlap errors).
         norm = variant is not Variant.RESIDUAL_ONLY
         self._names = (
             ("x", "residual", "post", "comb")
@@ -80,63 +75,62 @@ class CallValidator:
         return self._check_mix((address, 0, 0, 0), m, mix, eps, mxfp8_out, out)
 
     def _common_call(self, x, mix, eps, mxfp8_out, out, tokens) -> _Launch | None:
-        """check_call's rules for the common case, folded into few Python operations (this runs
-        on every call, and host time is latency at small M). Returns None for anything it does
-        not accept; the full path then accepts it (e.g. post as [M, hc, 1], an int eps) or
-        raises the ValueError that names the problem. Overlapping tensors raise here."""
+        """check_call's rules for the common case, written out flat (this runs on every call and
+        host time is latency at small M: every tensor attribute read costs ~0.1 us, a loop or a
+        helper call more). Returns None for anything it does not accept; the full path then
+        accepts it (e.g. post as [M, hc, 1], an int eps) or raises the ValueError that names the
+        problem. Overlapping tensors raise here."""
         if type(eps) is not float or not 0.0 <= eps < math.inf:
             return None
-        h, hc, variant = self.hidden_size, self.hc, self.variant
+        h, hc, variant, device = self.hidden_size, self.hc, self.variant, self.device
+        bf16, f32 = torch.bfloat16, torch.float32
         try:
             residual, post, comb, pre, norm_weight = mix
             m = x.shape[0] if tokens is None else tokens
-            if not 0 < m <= self.capacity:
+            # The inputs every variant reads: x, residual, post, comb.
+            if not (
+                0 < m <= self.capacity
+                and x.dtype is bf16 and residual.dtype is bf16 and post.dtype is f32 and comb.dtype is f32
+                and x.shape == (m, h) and residual.shape == (m, hc, h) and post.shape == (m, hc) and comb.shape == (m, hc, hc)
+                and x.device == device and residual.device == device and post.device == device and comb.device == device
+                and x.is_contiguous() and residual.is_contiguous() and post.is_contiguous() and comb.is_contiguous()
+            ):  # fmt: skip
                 return None
-            # Inputs first (x, then what the consumer reads), then outputs.
-            tensors = [x, residual, post, comb]
-            shapes = [(m, h), (m, hc, h), (m, hc), (m, hc, hc)]
-            dtypes = self._dtypes
+            addresses = [x.data_ptr(), residual.data_ptr(), post.data_ptr(), comb.data_ptr()]
+            # The rest, by variant: (tensor, dtype, shape), inputs before outputs.
+            rest = []
             if variant is Variant.RESIDUAL_ONLY:
                 if pre is not None or norm_weight is not None or mxfp8_out is not None:
                     return None
             else:
-                tensors += (pre, norm_weight)
-                shapes += ((m, hc), (h,))
+                rest += ((pre, f32, (m, hc)), (norm_weight, bf16, (h,)))
                 if variant is Variant.MXFP8:
                     values, scales = mxfp8_out
-                    tensors += (values, scales)
-                    shapes += ((m, h), (mxfp8_scale_bytes(m, h),))
+                    rest += ((values, torch.float8_e4m3fn, (m, h)), (scales, torch.uint8, (mxfp8_scale_bytes(m, h),)))
                 elif mxfp8_out is not None:
                     return None
             if out is not None:
                 new_residual, layer_input = out
-                tensors.append(new_residual)
-                shapes.append((m, hc, h))
-                dtypes += (torch.bfloat16,)
+                rest.append((new_residual, bf16, (m, hc, h)))
                 if variant is Variant.RESIDUAL_ONLY:
                     if layer_input is not None:
                         return None
                 else:
-                    tensors.append(layer_input)
-                    shapes.append((m, h))
-                    dtypes += (torch.bfloat16,)
-            device, addresses = self.device, []
-            for tensor, dtype, shape in zip(tensors, dtypes, shapes):
-                if (
-                    tensor.dtype is not dtype
-                    or tensor.shape != shape
-                    or tensor.device != device
-                    or not tensor.is_contiguous()
-                ):
+                    rest.append((layer_input, bf16, (m, h)))
+            for tensor, dtype, shape in rest:
+                if tensor.dtype is not dtype or tensor.shape != shape or tensor.device != device or not tensor.is_contiguous():
                     return None
-                address = tensor.data_ptr()
-                if address % check.ALIGNMENT:
-                    return None
-                addresses.append(address)
+                addresses.append(tensor.data_ptr())
         except (AttributeError, TypeError, ValueError):
             return None
+        aligned = 0
+        for address in addresses:
+            aligned |= address
+        if aligned % check.ALIGNMENT:
+            return None
         inputs = 4 if variant is Variant.RESIDUAL_ONLY else 6
-        if len(tensors) > inputs:  # caller-given outputs: none may overlap an input or another
+        if len(addresses) > inputs:  # caller-given outputs: none may overlap an input or another
+            tensors = [x, residual, post, comb] + [t for t, _, _ in rest]
             spans = [(name, address, t.numel() * t.element_size()) for name, address, t in zip(self._names, addresses, tensors)]
             check.check_no_overlap(spans[inputs:], spans[1:inputs])  # x is read by the publish, before
             check.check_disjoint(spans[inputs:])
@@ -144,19 +138,18 @@ class CallValidator:
         if out is None:
             residual_size = m * hc * h
             if variant is Variant.RESIDUAL_ONLY:
-                new_residual = torch.empty((m, hc, h), dtype=torch.bfloat16, device=self.device)
+                new_residual = torch.empty((m, hc, h), dtype=bf16, device=device)
                 layer_input = None
             else:
                 # One allocation (host time) cut in two by as_strided (the cheapest view).
-                buffer = torch.empty(residual_size + m * h, dtype=torch.bfloat16, device=self.device)
+                buffer = torch.empty(residual_size + m * h, dtype=bf16, device=device)
                 new_residual = buffer.as_strided((m, hc, h), (hc * h, h, 1))
                 layer_input = buffer.as_strided((m, h), (h, 1), residual_size)
-        layer_address = 0 if layer_input is None else layer_input.data_ptr()
         mix_addresses = (*addresses[1:4], *(addresses[4:6] if inputs == 6 else (0, 0)))
         return _Launch(
             (addresses[0], 0, 0, 0),
             mix_addresses,
-            (new_residual.data_ptr(), layer_address, mx_values, mx_scales),
+            (new_residual.data_ptr(), 0 if layer_input is None else layer_input.data_ptr(), mx_values, mx_scales),
             (new_residual, layer_input),
         )
 
@@ -291,14 +284,11 @@ class _Engine:
     def consume(self, endpoint: RankEndpoint, launch: _Launch, eps: float, tokens: int) -> None:
         self._consume(endpoint.mailbox_address, endpoint.state, *launch.mix, *launch.outputs, eps, tokens)
 
-    def publish_then_consume(self, endpoint: RankEndpoint, launch: _Launch, eps: float, tokens: int, finalize: bool) -> None:
-        """One rank's whole call: one host call if built `together`, else two."""
-        both = self._both.get(finalize)
-        if both is None:
-            self.publish(endpoint, launch, tokens, finalize)
-            self.consume(endpoint, launch, eps, tokens)
-            return
-        both(*launch.contribution, *endpoint.publish_arguments, endpoint.mailbox_address, *launch.mix, *launch.outputs, eps, tokens)
+    def launcher(self, endpoint: RankEndpoint, finalize: bool):
+        """One rank's whole call as one host call, its per-rank arguments bound:
+        launcher(endpoint, finalize)(*launch.contribution, *launch.mix, *launch.outputs, eps, M).
+        Needs an engine built `together`."""
+        return functools.partial(self._both[finalize], *endpoint.publish_arguments, endpoint.mailbox_address)
 
 
 def _positional(function):
@@ -385,6 +375,10 @@ class AllReduceMHC:
         make_endpoint = multicast_endpoint if transport is Transport.MULTICAST else unicast_endpoint
         self._endpoint = make_endpoint(group, max_num_tokens, hidden_size, device)
         self.rank, self.tp_size = self._endpoint.rank, tp
+        # Bound once: each call is one validation and one host launch call (see the bench).
+        self._check_call = self._engine.validator.check_call
+        self._launch_call = self._engine.launcher(self._endpoint, finalize=False)
+        self._launch_finalize = self._engine.launcher(self._endpoint, finalize=True) if top_k >= 1 else None
 
     @property
     def consumer_tiling(self):
@@ -394,9 +388,8 @@ class AllReduceMHC:
         """x [M, H] bf16 (this rank's partial); residual [M, hc, H] bf16; post [M, hc] fp32;
         comb [M, hc, hc] fp32; pre [M, hc] fp32; norm_weight [H] bf16.
         Returns (new_residual [M, hc, H] bf16, layer_input [M, H] bf16 or None)."""
-        engine = self._engine
-        launch = engine.validator.check_call(x, (residual, post, comb, pre, norm_weight), eps, mxfp8_out, out)
-        engine.publish_then_consume(self._endpoint, launch, float(eps), x.shape[0], False)
+        launch = self._check_call(x, (residual, post, comb, pre, norm_weight), eps, mxfp8_out, out)
+        self._launch_call(*launch.contribution, *launch.mix, *launch.outputs, float(eps), x.shape[0])
         return launch.results
 
     def finalize(
@@ -420,7 +413,7 @@ class AllReduceMHC:
         engine = self._engine
         mix = (residual, post, comb, pre, norm_weight)
         launch = engine.validator.check_finalize(gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx, shared_output, mix, eps, mxfp8_out, out)
-        engine.publish_then_consume(self._endpoint, launch, float(eps), shared_output.shape[0], True)
+        self._launch_finalize(*launch.contribution, *launch.mix, *launch.outputs, float(eps), shared_output.shape[0])
         return launch.results
 
 

@@ -96,11 +96,10 @@ def compile_publish_then_consume(
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     function = cute.compile(
         PublishThenConsume(publish, consumer),
-        *([zero] * 4),  # source, gemm2, weights, routes
         _fake_state(),
         *([zero] * 9),  # 8 peers, multicast
         Int32(0),  # rank
-        *([zero] * 10),  # mailbox, residual .. mx_scales
+        *([zero] * 14),  # mailbox, source .. routes, residual .. mx_scales
         Float32(1e-6),
         Int32(1),
         stream,

@@ -64,6 +64,10 @@ CONSUMER_DOCTORINGS = [
     ("no bf16 rounding", "full", "cvt.rn.bf16x2.f32", "cvt.rz.bf16x2.f32", "has cvt.rn.bf16x2.f32"),
     ("no e4m3 conversion", "mxfp8", "cvt.rn.satfinite.e4m3x2.f32", "cvt.rn.e4m3x2.f32", "has cvt.rn.satfinite.e4m3x2.f32"),
     ("no scale byte store", "mxfp8", "st.global.b8", "st.global.b16", "has st.global.b8"),
+    ("output store before the wait", "full", "griddepcontrol.wait;", "st.global.v4.b32 [%rd1], {%r1, %r1, %r1, %r1};\n\tgriddepcontrol.wait;",
+     "stores before griddepcontrol.wait: only MXFP8 padding zeros"),
+    ("non-zero store before the wait", "mxfp8", "griddepcontrol.wait;", "st.global.b32 [%rd1], %r1;\n\tgriddepcontrol.wait;",
+     "stores before griddepcontrol.wait: only MXFP8 padding zeros"),
 ]
 
 
@@ -112,6 +116,10 @@ PUBLISH_DOCTORINGS = [
     ("multicast without multimem", "finalize-multicast", "multimem.st", "st.global", "one multimem.st per vector", 1),
     ("finalize without fma", "finalize-unicast", "fma.rn.f32", "mul.rn.f32", "has fma.rn.f32", None),
     ("finalize without add", "finalize-unicast", "add.rn.f32", "sub.rn.f32", "has add.rn.f32", None),
+    ("dependents launched before the wait", "call-unicast", "griddepcontrol.wait;",
+     "griddepcontrol.launch_dependents;\n\tgriddepcontrol.wait;", "griddepcontrol.launch_dependents after griddepcontrol.wait", 1),
+    ("dependents never launched", "finalize-unicast", "griddepcontrol.launch_dependents;", "membar.gl;",
+     "griddepcontrol.launch_dependents after griddepcontrol.wait", None),
     ("scrub compares floats", "call-unicast", "setp.eq.b32 plo, lo, 0x00008000", "setp.eq.f32 plo, lo, 0x00008000",
      "sentinel compared as integer lanes", None),
 ]
@@ -123,6 +131,18 @@ def test_doctored_publish_ptx_fails(sm90_ptx, what, variant, old, new, check, co
     assert old in ptx
     doctored = ptx.replace(old, new) if count is None else ptx.replace(old, new, count)
     assert check in _failed(spec, doctored), what
+
+
+def test_padding_zeros_moved_after_the_wait_fail(sm90_ptx):
+    """The MXFP8 consumer's padding stores are meant to overlap the publish: if a rebuild put
+    them after the wait, the check says so (it expects zero stores before the wait)."""
+    spec, ptx = sm90_ptx["consumer-mxfp8"]
+    lines = ptx.splitlines()
+    wait = next(n for n, line in enumerate(lines) if "griddepcontrol.wait;" in line)
+    doctored = "\n".join(
+        line.replace("st.global", "st.shared") if n < wait and "st.global" in line else line for n, line in enumerate(lines)
+    )
+    assert "stores before griddepcontrol.wait: only MXFP8 padding zeros" in _failed(spec, doctored)
 
 
 def test_publish_store_count_follows_tp(sm90_ptx):

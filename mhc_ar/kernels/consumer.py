@@ -151,6 +151,14 @@ class ConsumerKernel:
             # memory; the matching wait sits right before the first remote store.
             cute.arch.cluster_arrive_relaxed()
 
+        if cutlass.const_expr(self.has_mxfp8 and "padding_scales" not in spec.omit):
+            # Stores only, of zeros, into scale rows no token of this call owns: issued before the
+            # PDL wait so they overlap the publish. Safe: this kernel starts only once the publish
+            # has passed its own griddepcontrol.wait (it triggers dependents after it), so every
+            # kernel before the publish (e.g. a GEMM still reading last call's scales) has
+            # finished; the publish itself never touches the scales.
+            self._zero_padding_scales(bid, tid, num_tokens, mx_scales)
+
         # PDL: nothing a preceding kernel wrote (mailbox, generation, inputs) is read before this.
         cute.arch.griddepcontrol_wait()
         state_address = state.iterator.toint()
@@ -166,10 +174,6 @@ class ConsumerKernel:
         pre_t = []
         if cutlass.const_expr(self.has_norm):
             pre_t = [ptx.ld_global_f32(pre + (row * hc + t) * _F32_BYTES) for t in range(hc)]
-
-        if cutlass.const_expr(self.has_mxfp8 and "padding_scales" not in spec.omit):
-            # Independent of the data: issued before the spin, so the stores overlap its wait.
-            self._zero_padding_scales(bid, tid, num_tokens, mx_scales)
 
         rank_stride = Int64(spec.capacity * hidden * _BF16_BYTES)  # mailbox[g, r] -> mailbox[g, r+1]
         generation_base = mailbox + generation * (tp * spec.capacity * hidden * _BF16_BYTES)

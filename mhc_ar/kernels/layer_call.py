@@ -16,9 +16,10 @@ from .publish import PublishKernel
 
 
 class PublishThenConsume:
-    """Arguments: the publish's (source .. rank, see PublishKernel), then the consumer's own
-    (mailbox, residual .. mx_scales, eps; see ConsumerKernel), then num_tokens. `state` is
-    shared: it is this rank's protocol state for both kernels."""
+    """Arguments: first what is fixed per rank (state, peer0..7, multicast, rank: see
+    PublishKernel; mailbox: see ConsumerKernel), so the host can bind them once; then what
+    changes per call (the contribution, the mix inputs and outputs, eps, num_tokens). `state` is
+    this rank's protocol state, for both kernels."""
 
     def __init__(self, publish: PublishSpec, consumer: ConsumerSpec):
         self.publish = PublishKernel(publish)
@@ -27,10 +28,6 @@ class PublishThenConsume:
     @cute.jit
     def __call__(
         self,
-        source: Int64,
-        gemm2: Int64,
-        weights: Int64,
-        routes: Int64,
         state: cute.Tensor,
         peer0: Int64,
         peer1: Int64,
@@ -43,6 +40,10 @@ class PublishThenConsume:
         multicast: Int64,
         rank: Int32,
         mailbox: Int64,
+        source: Int64,
+        gemm2: Int64,
+        weights: Int64,
+        routes: Int64,
         residual: Int64,
         post: Int64,
         comb: Int64,
