@@ -70,6 +70,11 @@ class CallValidator:
         launch = self._common_call(x, mix, eps, mxfp8_out, out, tokens)
         if launch is not None:
             return launch
+        return self.check_call_fully(x, mix, eps, mxfp8_out, out, tokens)
+
+    def check_call_fully(self, x, mix, eps, mxfp8_out, out, tokens=None) -> _Launch:
+        """check_call argument by argument, each failure named (what the common path falls back
+        to; also timed by the bench against it)."""
         m = check.check_tokens(x, "x", self.capacity) if tokens is None else tokens
         address = check.check_tensor(x, "x", shape=(m, self.hidden_size), dtype=torch.bfloat16, device=self.device)
         return self._check_mix((address, 0, 0, 0), m, mix, eps, mxfp8_out, out)
