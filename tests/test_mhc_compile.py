@@ -71,3 +71,11 @@ def test_diagnostic_builds_leave_out_only_their_stage():
     assert block["st.global.v4.b32"] == full["st.global.v4.b32"]
     with pytest.raises(ValueError, match="omit must be a subset"):
         dataclasses.replace(spec, omit=frozenset({"rms_norm"}))
+
+
+@pytest.mark.parametrize("arch", ["sm_100a", "sm_103a"])
+def test_one_call_launcher_compiles_for_blackwell(arch):
+    publish, consumer = _publish(Contribution.FINALIZE), _consumer(Variant.MXFP8)
+    both = _entries(compile_publish_then_consume(publish, consumer, arch, keep_ptx=True).ptx)
+    alone = _entries(compile_publish(publish, arch, keep_ptx=True).ptx) + _entries(compile_consumer(consumer, arch, keep_ptx=True).ptx)
+    assert len(both) == 2 and both == alone
