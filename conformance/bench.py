@@ -428,6 +428,20 @@ def targets(result: BenchResult) -> list[tuple[str, bool | None, str]]:
     return checks
 
 
+def _eager_table(eager_us: dict) -> str:
+    """One row per M, one column per measured part (the keys of eager_breakdown_us)."""
+    parts = {m.removesuffix(" parts"): v for m, v in eager_us.items() if m.endswith(" parts")}
+    if not parts:
+        return "<p>not measured</p>"
+    columns = list(next(iter(parts.values())))
+    head = "".join(f"<th>{html_escape(c)}</th>" for c in columns)
+    rows = "".join(
+        f"<tr><td>{html_escape(m)}</td>" + "".join(f"<td>{values.get(c, float('nan')):.2f}</td>" for c in columns) + "</tr>"
+        for m, values in parts.items()
+    )
+    return f"<table><tr><th>M</th>{head}</tr>{rows}</table>"
+
+
 def write_report(result: BenchResult, out: Path) -> None:
     from .plots import line_plot_svg
 
@@ -471,9 +485,8 @@ every time is the median per call of {REPEATS} replays of a CUDA graph of {CALLS
 <table><tr><th>H</th><th>M</th>{"".join(f"<th>{html_escape(b)}</th>" for b in builds)}</tr>{diagnosis_rows}</table>
 <h2>Emulated TP, H=5120, hc=4 (consumer per rank = (all - publishes) / tp)</h2>
 <table><tr><th>tp</th><th>M</th><th>all ranks us</th><th>publishes us</th><th>consumer/rank us</th></tr>{tp_rows}</table>
-<h2>Eager __call__ latency (H=5120, hc=4, TP=1, host wall time per call)</h2>
-<p>{html_escape(result.eager_api)}: {", ".join(f"M={m}: {us:.2f} us" for m, us in result.eager_us.items() if not m.endswith("parts"))}</p>
-<p>parts: {html_escape(str({m: v for m, v in result.eager_us.items() if m.endswith("parts")}))}</p></body></html>"""
+<h2>Eager __call__ latency (H=5120, hc=4, TP=1, host wall time per call, us)</h2>
+<p>{html_escape(result.eager_api)}</p>{_eager_table(result.eager_us)}</body></html>"""
     (out / "bench.html").write_text(html)
 
 

@@ -17,6 +17,10 @@ def _version(distribution: str) -> str | None:
     try:
         return metadata.version(distribution)
     except metadata.PackageNotFoundError:
+        if distribution == "mhc-ar":  # used from the source tree (PYTHONPATH), not installed
+            import mhc_ar
+
+            return f"{mhc_ar.__version__} (source tree)"
         return None
 
 
@@ -42,9 +46,17 @@ def _git_commit() -> str | None:
         )
     except (OSError, subprocess.SubprocessError):
         return None
-    if out.returncode != 0:
+    if out.returncode != 0 or not out.stdout.strip():
         return None
-    return out.stdout.strip() or None
+    commit = out.stdout.strip()
+    # A working tree that differs from HEAD (e.g. a synced copy on a GPU machine) says so.
+    try:
+        status = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, timeout=5
+        )
+    except (OSError, subprocess.SubprocessError):
+        return commit
+    return commit + "+modified" if status.returncode == 0 and status.stdout.strip() else commit
 
 
 def collect_environment(device: torch.device | str | None = None) -> dict:

@@ -5,6 +5,8 @@ the mailbox protocol (mhc_ar.protocol) and transports (mhc_ar.transport), and th
 AllReduceMHC (one rank per process) and EmulatedAllReduceMHC (tp virtual ranks on one GPU).
 """
 
+__version__ = "0.1.0"  # keep equal to pyproject.toml's
+
 from .allreduce_mhc import AllReduceMHC, EmulatedAllReduceMHC
 from .config import ConsumerTiling, Contribution, Transport, Variant, choose_consumer_tiling, mxfp8_scale_bytes
 

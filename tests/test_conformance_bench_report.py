@@ -18,7 +18,7 @@ def _result(mxfp8_factor: float, eager_m1: float, consumer_gbs: float) -> BenchR
                 consumer_bytes=int(1.6e9 * fused * 1e-6), consumer_gbs=consumer_gbs)
         )
     result.tp_rows.append(Row(hidden=5120, m=1, tp=2, fused_us=6.0, publish_us=2.0))
-    result.eager_us = {"1": eager_m1, "1 parts": {"call": eager_m1, "launch": 4.0}}
+    result.eager_us = {"1": eager_m1, "1 parts": {"call": eager_m1, "launch": 4.0, "host probe: torch.empty(0) on the CPU": 0.5}}
     result.mxfp8_diagnosis = [{"hidden": 5120, "m": 1, "full": 3.0, **{b: 3.5 for b in DIAGNOSIS_BUILDS}}]
     return result
 
@@ -40,5 +40,6 @@ def test_report_holds_every_table(tmp_path):
     for heading in ("Targets", "Latency vs M", "MXFP8 cost, stage by stage", "Emulated TP", "Eager"):
         assert heading in html
     assert "mxfp8 without padding-scale zeroing" in html and "<svg" in html
+    assert "<th>host probe: torch.empty(0) on the CPU</th>" in html and "<td>25.00</td>" in html
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert saved["mxfp8_diagnosis"][0]["m"] == 1 and len(saved["targets"]) == 7
