@@ -29,8 +29,6 @@ from .config import (
 )
 from .transport import RankEndpoint, emulated_endpoints, make_transport, multicast_endpoint, unicast_endpoint
 
-_EMPTY = (0, 0, 0, 0)  # unused contribution addresses
-
 
 class _Launch(NamedTuple):
     """Validated addresses of one rank's call, ready to launch (a tuple: cheap to build)."""
