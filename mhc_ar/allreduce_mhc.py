@@ -52,10 +52,10 @@ class CallValidator:
         self.hidden_size, self.hc, self.capacity, self.top_k = hidden_size, hc_mult, max_num_tokens, top_k
         self.variant = variant
         self.device = device
-        # The common path's names of the tensors, in argument order (for overlap errors).
+        # The common path's names of the consumer's tensors, in argument order (overlap errors).
         norm = variant is not Variant.RESIDUAL_ONLY
         self._names = (
-            ("x", "residual", "post", "comb")
+            ("residual", "post", "comb")
             + (("pre", "norm_weight") if norm else ())
             + (("mxfp8_out[0] (values)", "mxfp8_out[1] (scales)") if variant is Variant.MXFP8 else ())
             + ("out[0] (new_residual)",)
@@ -77,29 +77,61 @@ class CallValidator:
         address = check.check_tensor(x, "x", shape=(m, self.hidden_size), dtype=torch.bfloat16, device=self.device)
         return self._check_mix((address, 0, 0, 0), m, mix, eps, mxfp8_out, out)
 
+    # The common path: check_call's and check_finalize's rules for the common case, written out
+    # flat (this runs on every call and host time is latency at small M: every tensor attribute
+    # read costs ~0.1 us, a loop or a helper call more). Each returns None for anything it does
+    # not accept; the full path then accepts it (e.g. post as [M, hc, 1], an int eps) or raises
+    # the ValueError that names the problem. Overlapping tensors raise here.
+
     def _common_call(self, x, mix, eps, mxfp8_out, out, tokens) -> _Launch | None:
-        """check_call's rules for the common case, written out flat (this runs on every call and
-        host time is latency at small M: every tensor attribute read costs ~0.1 us, a loop or a
-        helper call more). Returns None for anything it does not accept; the full path then
-        accepts it (e.g. post as [M, hc, 1], an int eps) or raises the ValueError that names the
-        problem. Overlapping tensors raise here."""
+        h, bf16 = self.hidden_size, torch.bfloat16
+        try:
+            m = x.shape[0] if tokens is None else tokens
+            if not (x.dtype is bf16 and x.shape == (m, h) and x.device == self.device and x.is_contiguous()):
+                return None
+            contribution = (x.data_ptr(), 0, 0, 0)
+        except (AttributeError, IndexError, TypeError, ValueError):
+            return None
+        return self._common_mix(contribution, m, mix, eps, mxfp8_out, out)
+
+    def _common_finalize(self, gemm2, weights, routes, shared, mix, eps, mxfp8_out, out) -> _Launch | None:
+        h, k, device = self.hidden_size, self.top_k, self.device
+        try:
+            m = shared.shape[0]
+            if not (
+                k >= 1
+                and shared.dtype is torch.bfloat16 and gemm2.dtype is torch.bfloat16
+                and weights.dtype is torch.float32 and routes.dtype is torch.int32
+                and shared.shape == (m, h) and gemm2.shape == (gemm2.shape[0], h)
+                and weights.shape == (m, k) and routes.shape == (m, k)
+                and shared.device == device and gemm2.device == device and weights.device == device and routes.device == device
+                and shared.is_contiguous() and gemm2.is_contiguous() and weights.is_contiguous() and routes.is_contiguous()
+            ):  # fmt: skip
+                return None
+            contribution = (shared.data_ptr(), gemm2.data_ptr(), weights.data_ptr(), routes.data_ptr())
+        except (AttributeError, IndexError, TypeError, ValueError):
+            return None
+        return self._common_mix(contribution, m, mix, eps, mxfp8_out, out)
+
+    def _common_mix(self, contribution, m, mix, eps, mxfp8_out, out) -> _Launch | None:
+        """The consumer's arguments, for a contribution (4 addresses, read by the publish only)
+        already checked for M tokens."""
         if type(eps) is not float or not 0.0 <= eps < math.inf:
             return None
         h, hc, variant, device = self.hidden_size, self.hc, self.variant, self.device
         bf16, f32 = torch.bfloat16, torch.float32
         try:
             residual, post, comb, pre, norm_weight = mix
-            m = x.shape[0] if tokens is None else tokens
-            # The inputs every variant reads: x, residual, post, comb.
+            # The inputs every variant reads: residual, post, comb.
             if not (
                 0 < m <= self.capacity
-                and x.dtype is bf16 and residual.dtype is bf16 and post.dtype is f32 and comb.dtype is f32
-                and x.shape == (m, h) and residual.shape == (m, hc, h) and post.shape == (m, hc) and comb.shape == (m, hc, hc)
-                and x.device == device and residual.device == device and post.device == device and comb.device == device
-                and x.is_contiguous() and residual.is_contiguous() and post.is_contiguous() and comb.is_contiguous()
+                and residual.dtype is bf16 and post.dtype is f32 and comb.dtype is f32
+                and residual.shape == (m, hc, h) and post.shape == (m, hc) and comb.shape == (m, hc, hc)
+                and residual.device == device and post.device == device and comb.device == device
+                and residual.is_contiguous() and post.is_contiguous() and comb.is_contiguous()
             ):  # fmt: skip
                 return None
-            addresses = [x.data_ptr(), residual.data_ptr(), post.data_ptr(), comb.data_ptr()]
+            addresses = [residual.data_ptr(), post.data_ptr(), comb.data_ptr()]
             # The rest, by variant: (tensor, dtype, shape), inputs before outputs.
             rest = []
             if variant is Variant.RESIDUAL_ONLY:
@@ -124,20 +156,20 @@ class CallValidator:
                 if tensor.dtype is not dtype or tensor.shape != shape or tensor.device != device or not tensor.is_contiguous():
                     return None
                 addresses.append(tensor.data_ptr())
-        except (AttributeError, TypeError, ValueError):
+        except (AttributeError, IndexError, TypeError, ValueError):
             return None
         aligned = 0
-        for address in addresses:
+        for address in (*contribution, *addresses):
             aligned |= address
         if aligned % check.ALIGNMENT:
             return None
-        inputs = 4 if variant is Variant.RESIDUAL_ONLY else 6
+        inputs = 3 if variant is Variant.RESIDUAL_ONLY else 5  # what the consumer reads
         if len(addresses) > inputs:  # caller-given outputs: none may overlap an input or another
-            tensors = [x, residual, post, comb] + [t for t, _, _ in rest]
+            tensors = [residual, post, comb] + [t for t, _, _ in rest]
             spans = [(name, address, t.numel() * t.element_size()) for name, address, t in zip(self._names, addresses, tensors)]
-            check.check_no_overlap(spans[inputs:], spans[1:inputs])  # x is read by the publish, before
+            check.check_no_overlap(spans[inputs:], spans[:inputs])  # the contribution is read by the publish, before
             check.check_disjoint(spans[inputs:])
-        mx_values, mx_scales = (addresses[6], addresses[7]) if variant is Variant.MXFP8 else (0, 0)
+        mx_values, mx_scales = (addresses[5], addresses[6]) if variant is Variant.MXFP8 else (0, 0)
         if out is None:
             residual_size = m * hc * h
             if variant is Variant.RESIDUAL_ONLY:
@@ -148,15 +180,21 @@ class CallValidator:
                 buffer = torch.empty(residual_size + m * h, dtype=bf16, device=device)
                 new_residual = buffer.as_strided((m, hc, h), (hc * h, h, 1))
                 layer_input = buffer.as_strided((m, h), (h, 1), residual_size)
-        mix_addresses = (*addresses[1:4], *(addresses[4:6] if inputs == 6 else (0, 0)))
         return _Launch(
-            (addresses[0], 0, 0, 0),
-            mix_addresses,
+            contribution,
+            (*addresses[:3], *(addresses[3:5] if inputs == 5 else (0, 0))),
             (new_residual.data_ptr(), 0 if layer_input is None else layer_input.data_ptr(), mx_values, mx_scales),
             (new_residual, layer_input),
         )
 
     def check_finalize(self, gemm2, weights, routes, shared, mix, eps, mxfp8_out, out) -> _Launch:
+        launch = self._common_finalize(gemm2, weights, routes, shared, mix, eps, mxfp8_out, out)
+        if launch is not None:
+            return launch
+        return self.check_finalize_fully(gemm2, weights, routes, shared, mix, eps, mxfp8_out, out)
+
+    def check_finalize_fully(self, gemm2, weights, routes, shared, mix, eps, mxfp8_out, out) -> _Launch:
+        """check_finalize argument by argument, each failure named."""
         if self.top_k < 1:
             raise ValueError("finalize needs an instance built with top_k >= 1")
         m = check.check_tokens(shared, "shared_output", self.capacity)

@@ -57,6 +57,7 @@ X = aligned((M, H), torch.bfloat16)
         (dict(x=aligned((M, 2 * H), torch.bfloat16)[:, ::2]), "x must have shape|x must be contiguous"),
         (dict(x=aligned((M * H + 1,), torch.bfloat16)[1:].view(M, H)), "x must be 16-byte aligned"),
         (dict(x=[1, 2]), "x must be a torch.Tensor"),
+        (dict(x=torch.zeros((), dtype=torch.bfloat16)), "x must have a leading token dimension"),
         (dict(mix=mix(residual=aligned((M, HC + 1, H), torch.bfloat16))), "residual must have shape"),
         (dict(mix=mix(post=aligned((M, HC), torch.float64))), "post must have dtype"),
         (dict(mix=mix(comb=aligned((M, HC, HC), torch.float32).transpose(1, 2))), "comb must be contiguous"),
@@ -170,6 +171,49 @@ def test_residual_only_takes_no_pre_or_weight():
     assert launch.results[1] is None
     with pytest.raises(ValueError, match="pre must be None"):
         v.check_call(X, mix(norm_weight=None), 1e-6, None, None)
+
+
+@pytest.mark.parametrize("variant", list(Variant))
+@pytest.mark.parametrize("given_out", [False, True])
+def test_common_finalize_launches_what_the_full_path_launches(variant, given_out):
+    v = validator(variant)
+    inputs = mix(pre=None, norm_weight=None) if variant is Variant.RESIDUAL_ONLY else mix()
+    gemm2, weights, routes = aligned((M * K, H), torch.bfloat16), aligned((M, K), torch.float32), aligned((M, K), torch.int32)
+    mx = None
+    if variant is Variant.MXFP8:
+        mx = (aligned((M, H), torch.float8_e4m3fn), aligned((mxfp8_scale_bytes(M, H),), torch.uint8))
+    out = None
+    if given_out:
+        out = (aligned((M, HC, H), torch.bfloat16), None if variant is Variant.RESIDUAL_ONLY else aligned((M, H), torch.bfloat16))
+    shortcut = v._common_finalize(gemm2, weights, routes, X, inputs, 1e-6, mx, out)
+    assert shortcut is not None, "the common path must accept this call"
+    full = v.check_finalize_fully(gemm2, weights, routes, X, inputs, 1e-6, mx, out)
+    assert shortcut.contribution == full.contribution == (X.data_ptr(), gemm2.data_ptr(), weights.data_ptr(), routes.data_ptr())
+    assert shortcut.mix == full.mix
+    assert shortcut.outputs[2:] == full.outputs[2:]
+    if given_out:
+        assert shortcut.outputs == full.outputs
+
+
+@pytest.mark.parametrize(
+    "what",
+    ["gemm2 1-D", "gemm2 0-D", "routes int64", "weights shape", "shared on the wrong device"],
+)
+def test_common_finalize_defers_what_it_does_not_accept(what):
+    gemm2, weights, routes, shared = aligned((M * K, H), torch.bfloat16), aligned((M, K), torch.float32), aligned((M, K), torch.int32), X
+    if what == "gemm2 1-D":
+        gemm2 = aligned((M * K * H,), torch.bfloat16)
+    elif what == "gemm2 0-D":
+        gemm2 = torch.zeros((), dtype=torch.bfloat16)
+    elif what == "routes int64":
+        routes = routes.long()
+    elif what == "weights shape":
+        weights = aligned((M, K + 1), torch.float32)
+    else:
+        shared = torch.empty((M, H), dtype=torch.bfloat16, device="meta")
+    assert validator()._common_finalize(gemm2, weights, routes, shared, mix(), 1e-6, None, None) is None
+    with pytest.raises(ValueError):
+        validator().check_finalize(gemm2, weights, routes, shared, mix(), 1e-6, None, None)
 
 
 def test_finalize_rejections():
