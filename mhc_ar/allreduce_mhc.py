@@ -75,7 +75,7 @@ class CallValidator:
         to; also timed by the bench against it)."""
         m = check.check_tokens(x, "x", self.capacity) if tokens is None else tokens
         address = check.check_tensor(x, "x", shape=(m, self.hidden_size), dtype=torch.bfloat16, device=self.device)
-        return self._check_mix((address, 0, 0, 0), m, mix, eps, mxfp8_out, out)
+        return self._check_mix((address, 0, 0, 0), (("x", x),), m, mix, eps, mxfp8_out, out)
 
     # The common path: check_call's and check_finalize's rules for the common case, written out
     # flat (this runs on every call and host time is latency at small M: every tensor attribute
@@ -92,7 +92,7 @@ class CallValidator:
             contribution = (x.data_ptr(), 0, 0, 0)
         except (AttributeError, IndexError, TypeError, ValueError):
             return None
-        return self._common_mix(contribution, m, mix, eps, mxfp8_out, out)
+        return self._common_mix(contribution, (("x", x),), m, mix, eps, mxfp8_out, out)
 
     def _common_finalize(self, gemm2, weights, routes, shared, mix, eps, mxfp8_out, out) -> _Launch | None:
         h, k, device = self.hidden_size, self.top_k, self.device
@@ -111,11 +111,11 @@ class CallValidator:
             contribution = (shared.data_ptr(), gemm2.data_ptr(), weights.data_ptr(), routes.data_ptr())
         except (AttributeError, IndexError, TypeError, ValueError):
             return None
-        return self._common_mix(contribution, m, mix, eps, mxfp8_out, out)
+        return self._common_mix(contribution, _finalize_sources(gemm2, weights, routes, shared), m, mix, eps, mxfp8_out, out)
 
-    def _common_mix(self, contribution, m, mix, eps, mxfp8_out, out) -> _Launch | None:
-        """The consumer's arguments, for a contribution (4 addresses, read by the publish only)
-        already checked for M tokens."""
+    def _common_mix(self, contribution, sources, m, mix, eps, mxfp8_out, out) -> _Launch | None:
+        """The consumer's arguments, for a contribution (4 addresses of the `sources`, (name,
+        tensor) pairs read by the publish) already checked for M tokens."""
         if type(eps) is not float or not 0.0 <= eps < math.inf:
             return None
         h, hc, variant, device = self.hidden_size, self.hc, self.variant, self.device
@@ -170,6 +170,8 @@ class CallValidator:
             check.check_no_overlap(spans[inputs:], spans[:inputs])  # the contribution is read by the publish, before
             check.check_disjoint(spans[inputs:])
         mx_values, mx_scales = (addresses[5], addresses[6]) if variant is Variant.MXFP8 else (0, 0)
+        if mx_scales:
+            _check_early_scales(mx_scales, mxfp8_scale_bytes(m, h), sources)
         if out is None:
             residual_size = m * hc * h
             if variant is Variant.RESIDUAL_ONLY:
@@ -207,9 +209,9 @@ class CallValidator:
             check.check_tensor(weights, "expert_weights", shape=(m, k), dtype=torch.float32, device=dev),
             check.check_tensor(routes, "expanded_idx_to_permuted_idx", shape=(m, k), dtype=torch.int32, device=dev),
         )
-        return self._check_mix(contribution, m, mix, eps, mxfp8_out, out)
+        return self._check_mix(contribution, _finalize_sources(gemm2, weights, routes, shared), m, mix, eps, mxfp8_out, out)
 
-    def _check_mix(self, contribution, m, mix, eps, mxfp8_out, out) -> _Launch:
+    def _check_mix(self, contribution, sources, m, mix, eps, mxfp8_out, out) -> _Launch:
         residual, post, comb, pre, norm_weight = mix
         h, hc, dev = self.hidden_size, self.hc, self.device
         f32, bf16 = torch.float32, torch.bfloat16
@@ -239,6 +241,7 @@ class CallValidator:
             mx_values = check.check_tensor(values, "mxfp8_out[0] (values)", shape=(m, h), dtype=torch.float8_e4m3fn, device=dev)
             mx_scales = check.check_tensor(scales, "mxfp8_out[1] (scales)", shape=(scale_bytes,), dtype=torch.uint8, device=dev)
             outputs += [("mxfp8_out[0] (values)", mx_values, m * h), ("mxfp8_out[1] (scales)", mx_scales, scale_bytes)]
+            _check_early_scales(mx_scales, scale_bytes, sources)
         elif mxfp8_out is not None:
             raise ValueError("mxfp8_out given, but this instance was built with quantize_layer_input=False")
 
@@ -271,6 +274,17 @@ class CallValidator:
             (new_residual.data_ptr(), 0 if layer_input is None else layer_input.data_ptr(), mx_values, mx_scales),
             (new_residual, layer_input),
         )
+
+
+def _finalize_sources(gemm2, weights, routes, shared):
+    return (("shared_output", shared), ("gemm2_permuted", gemm2), ("expert_weights", weights), ("expanded_idx_to_permuted_idx", routes))
+
+
+def _check_early_scales(address: int, nbytes: int, sources) -> None:
+    """The consumer zeroes the MXFP8 padding scales before its PDL wait, while the publish may
+    still read its sources: the scales must not share memory with them."""
+    spans = [(name, tensor.data_ptr(), tensor.numel() * tensor.element_size()) for name, tensor in sources]
+    check.check_no_overlap([("mxfp8_out[1] (scales)", address, nbytes)], spans)
 
 
 class _Engine:

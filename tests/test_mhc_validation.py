@@ -102,9 +102,27 @@ def test_outputs_must_not_alias_each_other():
         v.check_call(X, mix(), 1e-6, (values, raw[:scale_bytes]), None)
 
 
+def test_mxfp8_scales_must_not_alias_what_the_publish_reads():
+    """The scales' padding rows are zeroed while the publish may still read its sources."""
+    v = validator(Variant.MXFP8)
+    values = aligned((M, H), torch.float8_e4m3fn)
+    scale_bytes = mxfp8_scale_bytes(M, H)
+    x_storage = aligned((max(M * H * 2, scale_bytes),), torch.uint8)
+    x = x_storage[: M * H * 2].view(torch.bfloat16).view(M, H)
+    for check_call in (v.check_call, v.check_call_fully):
+        with pytest.raises(ValueError, match="scales.* overlaps x"):
+            check_call(x, mix(), 1e-6, (values, x_storage[:scale_bytes]), None)
+    storage = aligned((max(scale_bytes // 4, M * K),), torch.int32)
+    routes, scales = storage[: M * K].view(M, K), storage.view(torch.uint8)[:scale_bytes]
+    gemm2, weights = aligned((M * K, H), torch.bfloat16), aligned((M, K), torch.float32)
+    for check_finalize in (v.check_finalize, v.check_finalize_fully):
+        with pytest.raises(ValueError, match="scales.* overlaps expanded_idx_to_permuted_idx"):
+            check_finalize(gemm2, weights, routes, X, mix(), 1e-6, (values, scales), None)
+
+
 def _full_path(v, x, inputs, eps, mxfp8_out, out):
     """check_call without its common-case shortcut: the reference the shortcut must agree with."""
-    return v._check_mix((x.data_ptr(), 0, 0, 0), x.shape[0], inputs, eps, mxfp8_out, out)
+    return v.check_call_fully(x, inputs, eps, mxfp8_out, out)
 
 
 @pytest.mark.parametrize("variant", list(Variant))
