@@ -29,6 +29,7 @@ from .cases import Filters, Preset, parse_families, parse_list
 EXTENSIONS = {
     "measure-rsqrt": ("conformance.rsqrt_measure", "measure the GPU's rsqrt.approx deviation table over [0.5, 2)"),
     "bench": ("conformance.bench", "latency of the fused kernels by M"),
+    "bench-tp": ("conformance.bench_tp", "fused vs NCCL + unfused across real ranks (under torchrun)"),
 }
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU round on a device machine, every step logged under $OUT (default /tmp/mhc_out):
 #   bash scripts/gpu_round.sh [smoke] [rsqrt] [tests] [conformance] [full-a] [full-b] [bench] ...
+#   several GPUs: [topo] [tp-conformance] [tp-bench] [missing-rank] (NGPU ranks, default: all GPUs)
 # Each step runs under `timeout`, so a hung kernel costs minutes, not the whole lease.
 set -u
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -22,6 +23,7 @@ run() {  # name, timeout seconds, command...
     return 0
 }
 nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
+NGPU=${NGPU:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 for step in "${steps[@]}"; do
     case $step in
         smoke) run smoke 120 $PY scripts/smoke.py ;;
@@ -38,6 +40,12 @@ for step in "${steps[@]}"; do
                     --skip-compile-checks --skip-reference-checks ;;
         conformance-quick) run conformance-quick 300 $PY -m conformance run --quick --out "$OUT/reports" ;;
         bench) run bench 420 $PY -m conformance.bench --out "$OUT/bench" ;;
+        # Several GPUs (one rank each, unicast transport; multicast stays off, exported above).
+        topo) run topo 60 nvidia-smi topo -m ;;
+        tp-conformance) run tp-conformance 560 torchrun --nproc-per-node "$NGPU" -m conformance run --tp "$NGPU" \
+                            --out "$OUT/reports" --run-id "torchrun-tp$NGPU" --no-progress ;;
+        tp-bench) run tp-bench 420 torchrun --nproc-per-node "$NGPU" -m conformance bench-tp --out "$OUT/bench-tp$NGPU" ;;
+        missing-rank) run missing-rank 120 torchrun --nproc-per-node "$NGPU" scripts/missing_rank.py --timeout 2 ;;
         *) echo "unknown step $step"; status=1 ;;
     esac
 done
