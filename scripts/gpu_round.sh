@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU round on a device machine, every step logged under $OUT (default /tmp/mhc_out):
 #   bash scripts/gpu_round.sh [smoke] [rsqrt] [tests] [conformance] [full-a] [full-b] [bench] ...
-#   several GPUs: [topo] [tp-conformance] [tp-bench] [missing-rank] (NGPU ranks, default: all GPUs)
+#   several GPUs: [topo] [tp-conformance] [tp-graph] [tp-bench] [missing-rank] (NGPU ranks; default all GPUs)
 # Each step runs under `timeout`, so a hung kernel costs minutes, not the whole lease.
 set -u
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -45,6 +45,7 @@ for step in "${steps[@]}"; do
         tp-conformance) run tp-conformance 560 torchrun --nproc-per-node "$NGPU" -m conformance run --tp "$NGPU" \
                             --out "$OUT/reports" --run-id "torchrun-tp$NGPU" --no-progress ;;
         tp-bench) run tp-bench 420 torchrun --nproc-per-node "$NGPU" -m conformance bench-tp --out "$OUT/bench-tp$NGPU" ;;
+        tp-graph) run tp-graph 300 torchrun --nproc-per-node "$NGPU" scripts/tp_graph_replay.py --replays 100 ;;
         missing-rank) run missing-rank 120 torchrun --nproc-per-node "$NGPU" scripts/missing_rank.py --timeout 2 ;;
         *) echo "unknown step $step"; status=1 ;;
     esac
