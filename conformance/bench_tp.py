@@ -135,7 +135,7 @@ def run(ms=M_SWEEP, hidden: int = 5120, hc: int = 4) -> TpBenchResult:
 
     from .distributed import init_torchrun
 
-    rank, world, device = init_torchrun("nccl")
+    rank, world, device = init_torchrun("nccl", min_world=1)  # 1 rank: a smoke run on one GPU
     start = time.time()
     result = TpBenchResult(tp=world, hidden=hidden, hc=hc, device=torch.cuda.get_device_name(device), topology=topology() if rank == 0 else "")
     op = AllReduceMHC(hidden_size=hidden, hc_mult=hc, max_num_tokens=max(ms), device=device)
@@ -198,8 +198,8 @@ def main(argv=None) -> int:
     parser.add_argument("--hidden", type=int, default=5120)
     parser.add_argument("--hc", type=int, default=4)
     args = parser.parse_args(argv)
-    if torchrun_world() is None or not torch.cuda.is_available():
-        print("bench-tp runs under torchrun with 2 or more processes, one GPU each", file=sys.stderr)
+    if torchrun_world(min_world=1) is None or not torch.cuda.is_available():
+        print("bench-tp runs under torchrun, one process per GPU", file=sys.stderr)
         return 2
     result = run(ms=tuple(int(v) for v in args.m.split(",") if v), hidden=args.hidden, hc=args.hc)
     import torch.distributed as dist

@@ -25,24 +25,28 @@ from .inputs import CaseInputs
 from .runner import OUTPUTS, KernelOutputs, instance_arguments, poisoned_outputs
 
 
-def torchrun_world() -> tuple[int, int, int] | None:
-    """(rank, local_rank, world_size) when launched by torchrun with more than one process."""
+def torchrun_world(min_world: int = 2) -> tuple[int, int, int] | None:
+    """(rank, local_rank, world_size) when launched by torchrun with at least `min_world`
+    processes (the conformance runner needs 2: one process is the emulated backend's job)."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return None
     world = int(os.environ["WORLD_SIZE"])
-    if world < 2:
+    if world < min_world:
         return None
     return int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"])), world
 
 
-def init_torchrun(backend: str = "nccl") -> tuple[int, int, torch.device]:
+def init_torchrun(backend: str = "nccl", min_world: int = 2) -> tuple[int, int, torch.device]:
     """Join the torchrun group (once); returns (rank, world_size, this rank's device)."""
     import torch.distributed as dist
 
     from mhc_ar.transport import disable_multicast_env
 
     disable_multicast_env()
-    rank, local_rank, world = torchrun_world()
+    world_info = torchrun_world(min_world)
+    if world_info is None:
+        raise ValueError(f"needs torchrun with at least {min_world} process(es) (RANK, WORLD_SIZE set)")
+    rank, local_rank, world = world_info
     device = torch.device("cuda", local_rank)
     torch.cuda.set_device(device)
     if not dist.is_initialized():

@@ -38,7 +38,7 @@ def main() -> int:
     from mhc_ar import AllReduceMHC, mxfp8_scale_bytes
     from reference import ReductionTree, all_reduce_mhc
 
-    rank, world, device = init_torchrun("nccl")
+    rank, world, device = init_torchrun("nccl", min_world=1)
     op = AllReduceMHC(hidden_size=HIDDEN, hc_mult=HC, max_num_tokens=max(SIZES), device=device, quantize_layer_input=True)
     tree = ReductionTree(**op.consumer_tiling.reduction_tree_args())
     static = [random_inputs(world, m, HIDDEN, HC, seed=m, device=device) for m in SIZES]
