@@ -36,8 +36,9 @@ TP_SWEEP = (2, 4, 8)
 TP_M_SWEEP = (1, 16, 128, 1024)
 
 
-def graph_time_us(calls, *, calls_per_graph: int = CALLS_PER_GRAPH, repeats: int = REPEATS) -> float:
-    """Median time per call (us) of `calls[i % len(calls)]()` captured calls_per_graph times."""
+def graph_time_us(calls, *, calls_per_graph: int = CALLS_PER_GRAPH, repeats: int = REPEATS, before_each_replay=None) -> float:
+    """Median time per call (us) of `calls[i % len(calls)]()` captured calls_per_graph times.
+    `before_each_replay` runs (untimed) before each timed replay, e.g. a barrier across ranks."""
     for call in calls:  # warm-up: compilation, allocator, lazy init outside the capture
         call()
     torch.cuda.synchronize()
@@ -49,6 +50,8 @@ def graph_time_us(calls, *, calls_per_graph: int = CALLS_PER_GRAPH, repeats: int
     torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
+        if before_each_replay is not None:
+            before_each_replay()
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()

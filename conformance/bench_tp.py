@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -62,37 +61,19 @@ def max_over_ranks(value: float, group=None) -> float:
     return float(tensor.item())
 
 
-def _capture(calls) -> torch.cuda.CUDAGraph:
-    for call in calls:  # warm-up outside the capture (every rank makes the same calls)
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(CALLS_PER_GRAPH):
-            calls[i % len(calls)]()
-    torch.cuda.synchronize()
-    return graph
-
-
 def rank_max_time_us(calls, group=None) -> float:
-    """Median per call of this rank's replays of a graph of `calls`, maximum over ranks."""
+    """Median per call of this rank's replays of a graph of `calls` (the ranks meet at a barrier
+    before each replay), maximum over ranks."""
     import torch.distributed as dist
 
-    graph = _capture(calls)
-    graph.replay()  # first replay: not timed
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPEATS):
+    from .bench import graph_time_us
+
+    def barrier():
         dist.barrier(group=group)
         torch.cuda.synchronize()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1000.0 / CALLS_PER_GRAPH)
-    del graph
-    return max_over_ranks(statistics.median(times), group)
+
+    median = graph_time_us(calls, calls_per_graph=CALLS_PER_GRAPH, repeats=REPEATS, before_each_replay=barrier)
+    return max_over_ranks(median, group)
 
 
 def _sides(op, rank: int, m: int, hidden: int, hc: int):

@@ -173,21 +173,23 @@ class CallValidator:
         if mx_scales:
             _check_early_scales(mx_scales, mxfp8_scale_bytes(m, h), sources)
         if out is None:
-            residual_size = m * hc * h
-            if variant is Variant.RESIDUAL_ONLY:
-                new_residual = torch.empty((m, hc, h), dtype=bf16, device=device)
-                layer_input = None
-            else:
-                # One allocation (host time) cut in two by as_strided (the cheapest view).
-                buffer = torch.empty(residual_size + m * h, dtype=bf16, device=device)
-                new_residual = buffer.as_strided((m, hc, h), (hc * h, h, 1))
-                layer_input = buffer.as_strided((m, h), (h, 1), residual_size)
+            new_residual, layer_input = self._fresh_outputs(m)
         return _Launch(
             contribution,
             (*addresses[:3], *(addresses[3:5] if inputs == 5 else (0, 0))),
             (new_residual.data_ptr(), 0 if layer_input is None else layer_input.data_ptr(), mx_values, mx_scales),
             (new_residual, layer_input),
         )
+
+    def _fresh_outputs(self, m: int):
+        """(new_residual [M, hc, H], layer_input [M, H] or None) for a call without out=: one
+        allocation (each is host time) cut in two by as_strided (the cheapest view)."""
+        h, hc = self.hidden_size, self.hc
+        if self.variant is Variant.RESIDUAL_ONLY:
+            return torch.empty((m, hc, h), dtype=torch.bfloat16, device=self.device), None
+        residual_size = m * hc * h
+        buffer = torch.empty(residual_size + m * h, dtype=torch.bfloat16, device=self.device)
+        return buffer.as_strided((m, hc, h), (hc * h, h, 1)), buffer.as_strided((m, h), (h, 1), residual_size)
 
     def check_finalize(self, gemm2, weights, routes, shared, mix, eps, mxfp8_out, out) -> _Launch:
         launch = self._common_finalize(gemm2, weights, routes, shared, mix, eps, mxfp8_out, out)
@@ -248,11 +250,7 @@ class CallValidator:
         if out is None:
             check.check_no_overlap(outputs, inputs)
             check.check_disjoint(outputs)
-            # One allocation for both outputs (each allocation is microseconds of host time).
-            residual_size = m * hc * h
-            buffer = torch.empty(residual_size + (0 if residual_only else m * h), dtype=bf16, device=dev)
-            new_residual = buffer[:residual_size].view(m, hc, h)
-            layer_input = None if residual_only else buffer[residual_size:].view(m, h)
+            new_residual, layer_input = self._fresh_outputs(m)
         else:
             if not isinstance(out, (tuple, list)) or len(out) != 2:
                 raise ValueError("out must be a (new_residual, layer_input) pair")

@@ -120,6 +120,18 @@ def test_mxfp8_scales_must_not_alias_what_the_publish_reads():
             check_finalize(gemm2, weights, routes, X, mix(), 1e-6, (values, scales), None)
 
 
+def _variant_arguments(variant, given_out):
+    """A valid (mix, mxfp8_out, out) for the variant; out given or None."""
+    inputs = mix(pre=None, norm_weight=None) if variant is Variant.RESIDUAL_ONLY else mix()
+    mx = None
+    if variant is Variant.MXFP8:
+        mx = (aligned((M, H), torch.float8_e4m3fn), aligned((mxfp8_scale_bytes(M, H),), torch.uint8))
+    out = None
+    if given_out:
+        out = (aligned((M, HC, H), torch.bfloat16), None if variant is Variant.RESIDUAL_ONLY else aligned((M, H), torch.bfloat16))
+    return inputs, mx, out
+
+
 def _full_path(v, x, inputs, eps, mxfp8_out, out):
     """check_call without its common-case shortcut: the reference the shortcut must agree with."""
     return v.check_call_fully(x, inputs, eps, mxfp8_out, out)
@@ -131,13 +143,7 @@ def test_common_path_launches_what_the_full_path_launches(variant, given_out):
     """The shortcut (taken for the calls below) and the full path give the same addresses, and
     fresh outputs of the same shapes; so every rejection above went through both."""
     v = validator(variant)
-    inputs = mix(pre=None, norm_weight=None) if variant is Variant.RESIDUAL_ONLY else mix()
-    mx = None
-    if variant is Variant.MXFP8:
-        mx = (aligned((M, H), torch.float8_e4m3fn), aligned((mxfp8_scale_bytes(M, H),), torch.uint8))
-    out = None
-    if given_out:
-        out = (aligned((M, HC, H), torch.bfloat16), None if variant is Variant.RESIDUAL_ONLY else aligned((M, H), torch.bfloat16))
+    inputs, mx, out = _variant_arguments(variant, given_out)
     shortcut = v._common_call(X, inputs, 1e-6, mx, out, None)
     assert shortcut is not None, "the common path must accept this call"
     full = _full_path(v, X, inputs, 1e-6, mx, out)
@@ -195,14 +201,8 @@ def test_residual_only_takes_no_pre_or_weight():
 @pytest.mark.parametrize("given_out", [False, True])
 def test_common_finalize_launches_what_the_full_path_launches(variant, given_out):
     v = validator(variant)
-    inputs = mix(pre=None, norm_weight=None) if variant is Variant.RESIDUAL_ONLY else mix()
+    inputs, mx, out = _variant_arguments(variant, given_out)
     gemm2, weights, routes = aligned((M * K, H), torch.bfloat16), aligned((M, K), torch.float32), aligned((M, K), torch.int32)
-    mx = None
-    if variant is Variant.MXFP8:
-        mx = (aligned((M, H), torch.float8_e4m3fn), aligned((mxfp8_scale_bytes(M, H),), torch.uint8))
-    out = None
-    if given_out:
-        out = (aligned((M, HC, H), torch.bfloat16), None if variant is Variant.RESIDUAL_ONLY else aligned((M, H), torch.bfloat16))
     shortcut = v._common_finalize(gemm2, weights, routes, X, inputs, 1e-6, mx, out)
     assert shortcut is not None, "the common path must accept this call"
     full = v.check_finalize_fully(gemm2, weights, routes, X, inputs, 1e-6, mx, out)
