@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import NamedTuple, Sequence
 
 import torch
@@ -52,134 +51,13 @@ class CallValidator:
         self.hidden_size, self.hc, self.capacity, self.top_k = hidden_size, hc_mult, max_num_tokens, top_k
         self.variant = variant
         self.device = device
-        # The common path's names of the consumer's tensors, in argument order (overlap errors).
-        norm = variant is not Variant.RESIDUAL_ONLY
-        self._names = (
-            ("residual", "post", "comb")
-            + (("pre", "norm_weight") if norm else ())
-            + (("mxfp8_out[0] (values)", "mxfp8_out[1] (scales)") if variant is Variant.MXFP8 else ())
-            + ("out[0] (new_residual)",)
-            + (("out[1] (layer_input)",) if norm else ())
-        )
 
     # ---- validation (pure: raises ValueError, changes nothing) ------------------------------
 
     def check_call(self, x, mix, eps, mxfp8_out, out, tokens=None) -> _Launch:
-        launch = self._common_call(x, mix, eps, mxfp8_out, out, tokens)
-        if launch is not None:
-            return launch
-        return self.check_call_fully(x, mix, eps, mxfp8_out, out, tokens)
-
-    def check_call_fully(self, x, mix, eps, mxfp8_out, out, tokens=None) -> _Launch:
-        """check_call argument by argument, each failure named (what the common path falls back
-        to; also timed by the bench against it)."""
         m = check.check_tokens(x, "x", self.capacity) if tokens is None else tokens
         address = check.check_tensor(x, "x", shape=(m, self.hidden_size), dtype=torch.bfloat16, device=self.device)
         return self._check_mix((address, 0, 0, 0), (("x", x),), m, mix, eps, mxfp8_out, out)
-
-    # The common path: check_call's and check_finalize's rules for the common case, written out
-    # flat (this runs on every call and host time is latency at small M: every tensor attribute
-    # read costs ~0.1 us, a loop or a helper call more). Each returns None for anything it does
-    # not accept; the full path then accepts it (e.g. post as [M, hc, 1], an int eps) or raises
-    # the ValueError that names the problem. Overlapping tensors raise here.
-
-    def _common_call(self, x, mix, eps, mxfp8_out, out, tokens) -> _Launch | None:
-        h, bf16 = self.hidden_size, torch.bfloat16
-        try:
-            m = x.shape[0] if tokens is None else tokens
-            if not (x.dtype is bf16 and x.shape == (m, h) and x.device == self.device and x.is_contiguous()):
-                return None
-            contribution = (x.data_ptr(), 0, 0, 0)
-        except (AttributeError, IndexError, TypeError, ValueError):
-            return None
-        return self._common_mix(contribution, (("x", x),), m, mix, eps, mxfp8_out, out)
-
-    def _common_finalize(self, gemm2, weights, routes, shared, mix, eps, mxfp8_out, out) -> _Launch | None:
-        h, k, device = self.hidden_size, self.top_k, self.device
-        try:
-            m = shared.shape[0]
-            if not (
-                k >= 1
-                and shared.dtype is torch.bfloat16 and gemm2.dtype is torch.bfloat16
-                and weights.dtype is torch.float32 and routes.dtype is torch.int32
-                and shared.shape == (m, h) and gemm2.shape == (gemm2.shape[0], h)
-                and weights.shape == (m, k) and routes.shape == (m, k)
-                and shared.device == device and gemm2.device == device and weights.device == device and routes.device == device
-                and shared.is_contiguous() and gemm2.is_contiguous() and weights.is_contiguous() and routes.is_contiguous()
-            ):  # fmt: skip
-                return None
-            contribution = (shared.data_ptr(), gemm2.data_ptr(), weights.data_ptr(), routes.data_ptr())
-        except (AttributeError, IndexError, TypeError, ValueError):
-            return None
-        return self._common_mix(contribution, _finalize_sources(gemm2, weights, routes, shared), m, mix, eps, mxfp8_out, out)
-
-    def _common_mix(self, contribution, sources, m, mix, eps, mxfp8_out, out) -> _Launch | None:
-        """The consumer's arguments, for a contribution (4 addresses of the `sources`, (name,
-        tensor) pairs read by the publish) already checked for M tokens."""
-        if type(eps) is not float or not 0.0 <= eps < math.inf:
-            return None
-        h, hc, variant, device = self.hidden_size, self.hc, self.variant, self.device
-        bf16, f32 = torch.bfloat16, torch.float32
-        try:
-            residual, post, comb, pre, norm_weight = mix
-            # The inputs every variant reads: residual, post, comb.
-            if not (
-                0 < m <= self.capacity
-                and residual.dtype is bf16 and post.dtype is f32 and comb.dtype is f32
-                and residual.shape == (m, hc, h) and post.shape == (m, hc) and comb.shape == (m, hc, hc)
-                and residual.device == device and post.device == device and comb.device == device
-                and residual.is_contiguous() and post.is_contiguous() and comb.is_contiguous()
-            ):  # fmt: skip
-                return None
-            addresses = [residual.data_ptr(), post.data_ptr(), comb.data_ptr()]
-            # The rest, by variant: (tensor, dtype, shape), inputs before outputs.
-            rest = []
-            if variant is Variant.RESIDUAL_ONLY:
-                if pre is not None or norm_weight is not None or mxfp8_out is not None:
-                    return None
-            else:
-                rest += ((pre, f32, (m, hc)), (norm_weight, bf16, (h,)))
-                if variant is Variant.MXFP8:
-                    values, scales = mxfp8_out
-                    rest += ((values, torch.float8_e4m3fn, (m, h)), (scales, torch.uint8, (mxfp8_scale_bytes(m, h),)))
-                elif mxfp8_out is not None:
-                    return None
-            if out is not None:
-                new_residual, layer_input = out
-                rest.append((new_residual, bf16, (m, hc, h)))
-                if variant is Variant.RESIDUAL_ONLY:
-                    if layer_input is not None:
-                        return None
-                else:
-                    rest.append((layer_input, bf16, (m, h)))
-            for tensor, dtype, shape in rest:
-                if tensor.dtype is not dtype or tensor.shape != shape or tensor.device != device or not tensor.is_contiguous():
-                    return None
-                addresses.append(tensor.data_ptr())
-        except (AttributeError, IndexError, TypeError, ValueError):
-            return None
-        aligned = 0
-        for address in (*contribution, *addresses):
-            aligned |= address
-        if aligned % check.ALIGNMENT:
-            return None
-        inputs = 3 if variant is Variant.RESIDUAL_ONLY else 5  # what the consumer reads
-        if len(addresses) > inputs:  # caller-given outputs: none may overlap an input or another
-            tensors = [residual, post, comb] + [t for t, _, _ in rest]
-            spans = [(name, address, t.numel() * t.element_size()) for name, address, t in zip(self._names, addresses, tensors)]
-            check.check_no_overlap(spans[inputs:], spans[:inputs])  # the contribution is read by the publish, before
-            check.check_disjoint(spans[inputs:])
-        mx_values, mx_scales = (addresses[5], addresses[6]) if variant is Variant.MXFP8 else (0, 0)
-        if mx_scales:
-            _check_early_scales(mx_scales, mxfp8_scale_bytes(m, h), sources)
-        if out is None:
-            new_residual, layer_input = self._fresh_outputs(m)
-        return _Launch(
-            contribution,
-            (*addresses[:3], *(addresses[3:5] if inputs == 5 else (0, 0))),
-            (new_residual.data_ptr(), 0 if layer_input is None else layer_input.data_ptr(), mx_values, mx_scales),
-            (new_residual, layer_input),
-        )
 
     def _fresh_outputs(self, m: int):
         """(new_residual [M, hc, H], layer_input [M, H] or None) for a call without out=: one
@@ -192,13 +70,6 @@ class CallValidator:
         return buffer.as_strided((m, hc, h), (hc * h, h, 1)), buffer.as_strided((m, h), (h, 1), residual_size)
 
     def check_finalize(self, gemm2, weights, routes, shared, mix, eps, mxfp8_out, out) -> _Launch:
-        launch = self._common_finalize(gemm2, weights, routes, shared, mix, eps, mxfp8_out, out)
-        if launch is not None:
-            return launch
-        return self.check_finalize_fully(gemm2, weights, routes, shared, mix, eps, mxfp8_out, out)
-
-    def check_finalize_fully(self, gemm2, weights, routes, shared, mix, eps, mxfp8_out, out) -> _Launch:
-        """check_finalize argument by argument, each failure named."""
         if self.top_k < 1:
             raise ValueError("finalize needs an instance built with top_k >= 1")
         m = check.check_tokens(shared, "shared_output", self.capacity)

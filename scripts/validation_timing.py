@@ -1,7 +1,6 @@
-"""Host time of the call validation on this machine's CPU (no GPU needed): the common path
-(`CallValidator.check_call`) against the argument-by-argument one (`check_call_fully`), with
-output allocation, for H=5120, hc=4, M=1. Also `torch.empty(0)`, the bench's host probe, to
-compare this host with the one a bench ran on.
+"""Host time of the call validation on this machine's CPU (no GPU needed):
+`CallValidator.check_call` and `check_finalize` with output allocation, for H=5120, hc=4, M=1.
+Also `torch.empty(0)`, the bench's host probe, to compare this host with the one a bench ran on.
 
     python scripts/validation_timing.py
 """
@@ -36,10 +35,8 @@ def main() -> None:
     mix = (torch.randn(m, hc, h).bfloat16(), torch.rand(m, hc), torch.rand(m, hc, hc), torch.rand(m, hc), torch.ones(h).bfloat16())
     gemm2, weights, routes = torch.zeros(m * k, h).bfloat16(), torch.rand(m, k), torch.zeros(m, k, dtype=torch.int32)
     rows = {
-        "check_call (common path)": lambda: v.check_call(x, mix, 1e-6, None, None),
-        "check_call_fully": lambda: v.check_call_fully(x, mix, 1e-6, None, None),
-        "check_finalize (common path)": lambda: v.check_finalize(gemm2, weights, routes, x, mix, 1e-6, None, None),
-        "check_finalize_fully": lambda: v.check_finalize_fully(gemm2, weights, routes, x, mix, 1e-6, None, None),
+        "check_call": lambda: v.check_call(x, mix, 1e-6, None, None),
+        "check_finalize": lambda: v.check_finalize(gemm2, weights, routes, x, mix, 1e-6, None, None),
         "host probe: torch.empty(0)": lambda: torch.empty(0),
     }
     for name, fn in rows.items():

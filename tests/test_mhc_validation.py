@@ -109,15 +109,13 @@ def test_mxfp8_scales_must_not_alias_what_the_publish_reads():
     scale_bytes = mxfp8_scale_bytes(M, H)
     x_storage = aligned((max(M * H * 2, scale_bytes),), torch.uint8)
     x = x_storage[: M * H * 2].view(torch.bfloat16).view(M, H)
-    for check_call in (v.check_call, v.check_call_fully):
-        with pytest.raises(ValueError, match="scales.* overlaps x"):
-            check_call(x, mix(), 1e-6, (values, x_storage[:scale_bytes]), None)
+    with pytest.raises(ValueError, match="scales.* overlaps x"):
+        v.check_call(x, mix(), 1e-6, (values, x_storage[:scale_bytes]), None)
     storage = aligned((max(scale_bytes // 4, M * K),), torch.int32)
     routes, scales = storage[: M * K].view(M, K), storage.view(torch.uint8)[:scale_bytes]
     gemm2, weights = aligned((M * K, H), torch.bfloat16), aligned((M, K), torch.float32)
-    for check_finalize in (v.check_finalize, v.check_finalize_fully):
-        with pytest.raises(ValueError, match="scales.* overlaps expanded_idx_to_permuted_idx"):
-            check_finalize(gemm2, weights, routes, X, mix(), 1e-6, (values, scales), None)
+    with pytest.raises(ValueError, match="scales.* overlaps expanded_idx_to_permuted_idx"):
+        v.check_finalize(gemm2, weights, routes, X, mix(), 1e-6, (values, scales), None)
 
 
 def _variant_arguments(variant, given_out):
@@ -132,48 +130,56 @@ def _variant_arguments(variant, given_out):
     return inputs, mx, out
 
 
-def _full_path(v, x, inputs, eps, mxfp8_out, out):
-    """check_call without its common-case shortcut: the reference the shortcut must agree with."""
-    return v.check_call_fully(x, inputs, eps, mxfp8_out, out)
+def _expected_launch(inputs, mx, out):
+    """The addresses a valid call must launch with: (mix, outputs[2:], outputs or None)."""
+    residual, post, comb, pre, norm_weight = inputs
+    mix_addresses = tuple(0 if t is None else t.data_ptr() for t in (residual, post, comb, pre, norm_weight))
+    mx_addresses = (0, 0) if mx is None else (mx[0].data_ptr(), mx[1].data_ptr())
+    out_addresses = None if out is None else (out[0].data_ptr(), 0 if out[1] is None else out[1].data_ptr())
+    return mix_addresses, mx_addresses, out_addresses
+
+
+def _check_outputs(launch, variant, mx_addresses, out, out_addresses):
+    assert launch.outputs[2:] == mx_addresses
+    if out is not None:
+        assert launch.outputs[:2] == out_addresses
+        assert all(a is b for a, b in zip(launch.results, out))
+        return
+    new_residual, layer_input = launch.results
+    assert new_residual.shape == (M, HC, H) and new_residual.dtype == torch.bfloat16 and new_residual.is_contiguous()
+    assert launch.outputs[0] == new_residual.data_ptr()
+    if variant is Variant.RESIDUAL_ONLY:
+        assert layer_input is None and launch.outputs[1] == 0
+    else:  # one allocation: layer_input right after new_residual
+        assert layer_input.shape == (M, H) and layer_input.dtype == torch.bfloat16 and layer_input.is_contiguous()
+        assert launch.outputs[1] == new_residual.data_ptr() + new_residual.numel() * 2 == layer_input.data_ptr()
 
 
 @pytest.mark.parametrize("variant", list(Variant))
 @pytest.mark.parametrize("given_out", [False, True])
-def test_common_path_launches_what_the_full_path_launches(variant, given_out):
-    """The shortcut (taken for the calls below) and the full path give the same addresses, and
-    fresh outputs of the same shapes; so every rejection above went through both."""
-    v = validator(variant)
+def test_call_launches_the_arguments_addresses(variant, given_out):
+    """A valid call launches with exactly its tensors' addresses (0 for what the variant lacks),
+    and fresh outputs are contiguous with layer_input right after new_residual."""
     inputs, mx, out = _variant_arguments(variant, given_out)
-    shortcut = v._common_call(X, inputs, 1e-6, mx, out, None)
-    assert shortcut is not None, "the common path must accept this call"
-    full = _full_path(v, X, inputs, 1e-6, mx, out)
-    assert shortcut.contribution == full.contribution and shortcut.mix == full.mix
-    if given_out:
-        assert shortcut.outputs == full.outputs
-        assert all(a is b for a, b in zip(shortcut.results, full.results))
-    else:
-        assert shortcut.outputs[2:] == full.outputs[2:]
-        for mine, theirs in zip(shortcut.results, full.results):
-            assert (mine is None) == (theirs is None)
-            if mine is not None:
-                assert mine.shape == theirs.shape and mine.dtype == theirs.dtype and mine.is_contiguous()
-        if variant is not Variant.RESIDUAL_ONLY:  # one allocation: layer_input right after new_residual
-            new_residual, layer_input = shortcut.results
-            assert shortcut.outputs[1] == new_residual.data_ptr() + new_residual.numel() * 2 == layer_input.data_ptr()
+    mix_addresses, mx_addresses, out_addresses = _expected_launch(inputs, mx, out)
+    launch = validator(variant).check_call(X, inputs, 1e-6, mx, out)
+    assert launch.contribution == (X.data_ptr(), 0, 0, 0)
+    assert launch.mix == mix_addresses
+    _check_outputs(launch, variant, mx_addresses, out, out_addresses)
 
 
 @pytest.mark.parametrize(
     "args",
     [
-        dict(eps=1),  # an int eps: accepted by the full path
+        dict(eps=1),  # an int eps
         dict(mix=mix(post=aligned((M, HC, 1), torch.float32))),  # post as [M, hc, 1]
-        dict(x=aligned((M, 2 * H), torch.bfloat16)[:, ::2]),  # rejected by the full path
     ],
 )
-def test_common_path_defers_unusual_calls(args):
+def test_unusual_but_valid_calls_are_accepted(args):
     kwargs = dict(x=X, mix=mix(), eps=1e-6)
     kwargs.update(args)
-    assert validator()._common_call(kwargs["x"], kwargs["mix"], kwargs["eps"], None, None, None) is None
+    launch = validator().check_call(kwargs["x"], kwargs["mix"], kwargs["eps"], None, None)
+    assert launch.mix[1] == kwargs["mix"][1].data_ptr()
 
 
 def test_mxfp8_outputs():
@@ -199,25 +205,27 @@ def test_residual_only_takes_no_pre_or_weight():
 
 @pytest.mark.parametrize("variant", list(Variant))
 @pytest.mark.parametrize("given_out", [False, True])
-def test_common_finalize_launches_what_the_full_path_launches(variant, given_out):
-    v = validator(variant)
+def test_finalize_launches_the_arguments_addresses(variant, given_out):
     inputs, mx, out = _variant_arguments(variant, given_out)
     gemm2, weights, routes = aligned((M * K, H), torch.bfloat16), aligned((M, K), torch.float32), aligned((M, K), torch.int32)
-    shortcut = v._common_finalize(gemm2, weights, routes, X, inputs, 1e-6, mx, out)
-    assert shortcut is not None, "the common path must accept this call"
-    full = v.check_finalize_fully(gemm2, weights, routes, X, inputs, 1e-6, mx, out)
-    assert shortcut.contribution == full.contribution == (X.data_ptr(), gemm2.data_ptr(), weights.data_ptr(), routes.data_ptr())
-    assert shortcut.mix == full.mix
-    assert shortcut.outputs[2:] == full.outputs[2:]
-    if given_out:
-        assert shortcut.outputs == full.outputs
+    mix_addresses, mx_addresses, out_addresses = _expected_launch(inputs, mx, out)
+    launch = validator(variant).check_finalize(gemm2, weights, routes, X, inputs, 1e-6, mx, out)
+    assert launch.contribution == (X.data_ptr(), gemm2.data_ptr(), weights.data_ptr(), routes.data_ptr())
+    assert launch.mix == mix_addresses
+    _check_outputs(launch, variant, mx_addresses, out, out_addresses)
 
 
 @pytest.mark.parametrize(
-    "what",
-    ["gemm2 1-D", "gemm2 0-D", "routes int64", "weights shape", "shared on the wrong device"],
+    "what, match",
+    [
+        ("gemm2 1-D", "gemm2_permuted must be a 2-D"),
+        ("gemm2 0-D", "gemm2_permuted must be a 2-D"),
+        ("routes int64", "expanded_idx_to_permuted_idx must have dtype"),
+        ("weights shape", "expert_weights must have shape"),
+        ("shared on the wrong device", "shared_output must be on"),
+    ],
 )
-def test_common_finalize_defers_what_it_does_not_accept(what):
+def test_finalize_rejects_each_contribution_argument(what, match):
     gemm2, weights, routes, shared = aligned((M * K, H), torch.bfloat16), aligned((M, K), torch.float32), aligned((M, K), torch.int32), X
     if what == "gemm2 1-D":
         gemm2 = aligned((M * K * H,), torch.bfloat16)
@@ -229,8 +237,7 @@ def test_common_finalize_defers_what_it_does_not_accept(what):
         weights = aligned((M, K + 1), torch.float32)
     else:
         shared = torch.empty((M, H), dtype=torch.bfloat16, device="meta")
-    assert validator()._common_finalize(gemm2, weights, routes, shared, mix(), 1e-6, None, None) is None
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=match):
         validator().check_finalize(gemm2, weights, routes, shared, mix(), 1e-6, None, None)
 
 
