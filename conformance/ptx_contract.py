@@ -230,7 +230,7 @@ def _zero_registers(kernel: _Kernel) -> set[str]:
     defined: dict[str, set[str]] = {}
     for i in kernel.instructions:
         parts = [p.strip() for p in i.operands.split(",")]
-        if parts and parts[0].startswith("%") and not i.opcode.startswith(("st.", "bra", "setp", "@")):
+        if parts and parts[0].startswith("%") and not i.opcode.startswith(("st.", "bra", "setp")):
             value = parts[1] if i.opcode.startswith("mov.") and len(parts) == 2 else None
             defined.setdefault(parts[0], set()).add(value if value is not None else "?")
     return {reg for reg, values in defined.items() if values == {"0"}}
