@@ -18,12 +18,14 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+from cutlass.cute.typing import sym_int32
 
 from .config import ConsumerSpec, Contribution, PublishSpec, Variant, choose_consumer_tiling
 from .kernels.consumer import ConsumerKernel
-from .kernels.layer_call import PublishThenConsume
+from .kernels.layer_call import PublishThenConsume, PublishThenConsumeTensors
 from .kernels.publish import PublishKernel
 from .protocol import STATE_WORDS
+from .validation import ALIGNMENT
 
 TARGET_ARCHS = ("sm_90a", "sm_100a", "sm_103a")
 
@@ -106,6 +108,56 @@ def compile_publish_then_consume(
         options=_options(arch, keep_ptx),
     )
     return CompiledKernel(f"{publish_name(publish)}+{consumer_name(consumer)}", (publish, consumer), arch, function)
+
+
+@functools.cache
+def compile_tensor_launcher(
+    publish: PublishSpec, consumer: ConsumerSpec, arch: str | None = None, keep_ptx: bool = False
+) -> CompiledKernel:
+    """Both kernels behind one host function that takes the call's tensors (see
+    PublishThenConsumeTensors): for calls without caller-given outputs, so not MXFP8."""
+    if consumer.variant is Variant.MXFP8:
+        raise ValueError("the tensor launcher allocates its outputs: MXFP8 calls take caller-given mxfp8_out")
+    zero = Int64(0)
+    m = sym_int32(symbol="M")
+    h, hc = publish.hidden_size, consumer.hc
+    bf16, f32 = cutlass.BFloat16, cutlass.Float32
+    finalize = publish.contribution is Contribution.FINALIZE
+    layer_input = consumer.variant is not Variant.RESIDUAL_ONLY
+    contribution = (
+        _row_major(bf16, (m, h)),
+        _row_major(bf16, (sym_int32(symbol="rows"), h)) if finalize else None,
+        _row_major(f32, (m, publish.top_k)) if finalize else None,
+        _row_major(cutlass.Int32, (m, publish.top_k)) if finalize else None,
+    )
+    mix = (
+        _row_major(bf16, (m, hc, h)),
+        _row_major(f32, (m, hc)),
+        _row_major(f32, (m, hc, hc)),
+        _row_major(f32, (m, hc)) if layer_input else None,
+        _row_major(bf16, (h,)) if layer_input else None,
+    )
+    outputs = (_row_major(bf16, (m, hc, h)), _row_major(bf16, (m, h)) if layer_input else None)
+    function = cute.compile(
+        PublishThenConsumeTensors(publish, consumer),
+        _fake_state(),
+        *([zero] * 9),  # 8 peers, multicast
+        Int32(0),  # rank
+        zero,  # mailbox
+        *contribution,
+        *mix,
+        *outputs,
+        Float32(1e-6),
+        make_fake_stream(use_tvm_ffi_env_stream=True),
+        options=_options(arch, keep_ptx),
+    )
+    name = f"{publish_name(publish)}+{consumer_name(consumer)}-from-tensors"
+    return CompiledKernel(name, (publish, consumer), arch, function)
+
+
+def _row_major(dtype, shape):
+    """A fake contiguous row-major tensor with 16-byte alignment (what validation requires)."""
+    return make_fake_compact_tensor(dtype, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=ALIGNMENT)
 
 
 def publish_name(spec: PublishSpec) -> str:

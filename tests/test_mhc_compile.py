@@ -10,7 +10,13 @@ import re
 import pytest
 
 from conformance.ptx_contract import parse_instructions
-from mhc_ar.compile import compile_consumer, compile_publish, compile_publish_then_consume, consumer_name
+from mhc_ar.compile import (
+    compile_consumer,
+    compile_publish,
+    compile_publish_then_consume,
+    compile_tensor_launcher,
+    consumer_name,
+)
 from mhc_ar.config import ConsumerSpec, Contribution, PublishSpec, Variant, choose_consumer_tiling
 
 H, HC, TP, CAPACITY, TOP_K = 5120, 4, 4, 64, 6
@@ -79,3 +85,74 @@ def test_one_call_launcher_compiles_for_blackwell(arch):
     both = _entries(compile_publish_then_consume(publish, consumer, arch, keep_ptx=True).ptx)
     alone = _entries(compile_publish(publish, arch, keep_ptx=True).ptx) + _entries(compile_consumer(consumer, arch, keep_ptx=True).ptx)
     assert len(both) == 2 and both == alone
+
+
+# The tensor launcher: AllReduceMHC's eager path for calls without caller-given outputs.
+
+_TENSOR_VARIANTS = [Variant.FULL, Variant.RESIDUAL_ONLY]
+
+
+@pytest.mark.parametrize("contribution", list(Contribution))
+@pytest.mark.parametrize("variant", _TENSOR_VARIANTS)
+def test_tensor_launcher_holds_the_same_two_kernels(contribution, variant):
+    publish, consumer = _publish(contribution), _consumer(variant)
+    tensors = _entries(compile_tensor_launcher(publish, consumer, "sm_90a", keep_ptx=True).ptx)
+    addresses = _entries(compile_publish_then_consume(publish, consumer, "sm_90a", keep_ptx=True).ptx)
+    assert len(tensors) == 2 and tensors == addresses, "the tensor launcher compiled different kernel code"
+
+
+@pytest.mark.parametrize("arch", ["sm_100a", "sm_103a"])
+def test_tensor_launcher_compiles_for_blackwell(arch):
+    publish, consumer = _publish(Contribution.FINALIZE), _consumer(Variant.FULL)
+    tensors = _entries(compile_tensor_launcher(publish, consumer, arch, keep_ptx=True).ptx)
+    assert len(tensors) == 2 and tensors == _entries(compile_publish_then_consume(publish, consumer, arch, keep_ptx=True).ptx)
+
+
+def test_tensor_launcher_is_not_built_for_mxfp8():
+    with pytest.raises(ValueError, match="mxfp8_out"):
+        compile_tensor_launcher(_publish(Contribution.CALL), _consumer(Variant.MXFP8), "sm_90a")
+
+
+def _host_messages(contribution, variant) -> set[str]:
+    """The error messages the launcher's host code can raise (TVM-FFI's argument checks)."""
+    module = str(compile_tensor_launcher(_publish(contribution), _consumer(variant), "sm_90a").function.ir_module)
+    return {m.replace("\\00", "") for m in re.findall(r'"([^"]*)"', module)}
+
+
+@pytest.mark.parametrize("contribution", list(Contribution))
+@pytest.mark.parametrize("variant", _TENSOR_VARIANTS)
+def test_tensor_launcher_checks_every_tensor_before_launching(contribution, variant):
+    """What CallValidator checks in Python, the compiled signature must check in C: dtype, rank,
+    shape (M shared with the contribution, the rest static), compact strides, 16-byte alignment,
+    the device of this rank's state; and None exactly where the variant takes nothing."""
+    messages = _host_messages(contribution, variant)
+    finalize = contribution is Contribution.FINALIZE
+    layer_input = variant is not Variant.RESIDUAL_ONLY
+    tensors = ["source", "residual", "post", "comb", "new_residual"]
+    tensors += ["gemm2", "weights", "routes"] if finalize else []
+    tensors += ["pre", "norm_weight", "layer_input"] if layer_input else []
+    for name in tensors:
+        assert f"{name}.strides" in messages, f"{name}: strides not checked"
+    rules = ["expected data alignment=16 bytes", "expected to match state.device.index", "expected to match source.shape[0]",
+             "expected device_type=cuda", "expected dtype=bfloat16", "expected dtype=float32"]
+    rules += ["expected dtype=int32"] if finalize else []
+    rules += ["expected None"] if not (finalize and layer_input) else []
+    for rule in rules:
+        assert any(m.endswith(rule) for m in messages), f"missing check: {rule!r}"
+    signature = next(m for m in messages if "when calling: `__call__(" in m)
+    m, rows = "n0", "n1"
+    wanted = {
+        "source": f"Tensor([{m}, {H}], bfloat16)",
+        "residual": f"Tensor([{m}, {HC}, {H}], bfloat16)",
+        "post": f"Tensor([{m}, {HC}], float32)",
+        "comb": f"Tensor([{m}, {HC}, {HC}], float32)",
+        "new_residual": f"Tensor([{m}, {HC}, {H}], bfloat16)",
+        "gemm2": f"Tensor([{rows}, {H}], bfloat16)" if finalize else "None",
+        "weights": f"Tensor([{m}, {TOP_K}], float32)" if finalize else "None",
+        "routes": f"Tensor([{m}, {TOP_K}], int32)" if finalize else "None",
+        "pre": f"Tensor([{m}, {HC}], float32)" if layer_input else "None",
+        "norm_weight": f"Tensor([{H}], bfloat16)" if layer_input else "None",
+        "layer_input": f"Tensor([{m}, {H}], bfloat16)" if layer_input else "None",
+    }
+    for name, declared in wanted.items():
+        assert f"{name}: {declared}" in signature, f"{name}: expected {declared} in {signature}"

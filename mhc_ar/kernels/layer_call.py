@@ -61,3 +61,60 @@ class PublishThenConsume:
         self.publish(source, gemm2, weights, routes, state, *peers, multicast, rank, num_tokens, stream)
         outputs = (new_residual, layer_input, mx_values, mx_scales)
         self.consumer(mailbox, state, residual, post, comb, pre, norm_weight, *outputs, eps, num_tokens, stream)
+
+
+
+class PublishThenConsumeTensors:
+    """The same two kernels, launched the same way, for an eager call without caller-given
+    outputs (AllReduceMHC's common case), but the per-call arguments are the torch tensors
+    themselves: TVM-FFI then checks in C, before anything launches, each tensor's dtype, rank and
+    shape (one symbolic M for all, H and hc static), compact strides, 16-byte alignment and device
+    (that of `state`, this rank's). What it cannot express (1 <= M <= capacity, eps, int32
+    rather than uint32 routes) the caller checks. Arguments a variant does not use (call:
+    gemm2, weights, routes; residual_only: pre, norm_weight, layer_input) are compiled as None."""
+
+    def __init__(self, publish: PublishSpec, consumer: ConsumerSpec):
+        self.publish = PublishKernel(publish)
+        self.consumer = ConsumerKernel(consumer)
+
+    @cute.jit
+    def __call__(
+        self,
+        state: cute.Tensor,
+        peer0: Int64,
+        peer1: Int64,
+        peer2: Int64,
+        peer3: Int64,
+        peer4: Int64,
+        peer5: Int64,
+        peer6: Int64,
+        peer7: Int64,
+        multicast: Int64,
+        rank: Int32,
+        mailbox: Int64,
+        source: cute.Tensor,
+        gemm2,
+        weights,
+        routes,
+        residual: cute.Tensor,
+        post: cute.Tensor,
+        comb: cute.Tensor,
+        pre,
+        norm_weight,
+        new_residual: cute.Tensor,
+        layer_input,
+        eps: Float32,
+        stream,
+    ):
+        num_tokens = Int32(source.shape[0])
+        peers = (peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7)
+        contribution = (_address(source), _address(gemm2), _address(weights), _address(routes))
+        self.publish(*contribution, state, *peers, multicast, rank, num_tokens, stream)
+        mix = (_address(residual), _address(post), _address(comb), _address(pre), _address(norm_weight))
+        outputs = (_address(new_residual), _address(layer_input), Int64(0), Int64(0))
+        self.consumer(mailbox, state, *mix, *outputs, eps, num_tokens, stream)
+
+
+def _address(tensor):
+    """A tensor argument's device address, or 0 for an argument compiled as None."""
+    return Int64(0) if tensor is None else tensor.iterator.toint()
