@@ -6,7 +6,8 @@ touches more memory than L2 holds when the problem is large), the graph is repla
 times between CUDA events, and the per-call median is reported. Also measured in the same run:
 device copy bandwidth (a graph-captured 1 GiB copy, bytes read + written), the publish kernel
 alone (so consumer time = fused - publish), the consumer per rank at emulated TP sizes, and the
-eager per-call latency of the Python API (host overhead: validation + two TVM-FFI launches).
+eager per-call latency of the Python API (host overhead: argument checks, output allocation, one
+TVM-FFI call launching both kernels), with its parts.
 
 The unfused chain is what the fusion replaces: rank sum to bf16, post-mix, collapse, RMSNorm in
 straightforward PyTorch, plus FlashInfer's cute-dsl mxfp8_quantize for the MXFP8 variant.
@@ -321,46 +322,44 @@ def single_rank_op(hidden: int, hc: int, capacity: int):
 
 
 def eager_breakdown_us(op, inputs: Inputs, *, emulated: bool) -> dict:
-    """Host wall time per eager call (host-bound at small M), and its parts: validation alone
-    (with the output allocation), and the launch alone (pre-validated; AllReduceMHC launches
-    both kernels with one host call). Also the call with caller-given outputs (out=)."""
+    """Host wall time per eager call (host-bound at small M), and its parts, each timed alone:
+    the call without outputs given (AllReduceMHC: the tensor launcher, argument checks in C) and
+    with out= (CallValidator, then the address launcher); CallValidator with the output
+    allocation; the allocation; each launcher with its arguments prepared (both launch the
+    same two kernels with one host call); the two kernels launched by two host calls."""
     i = inputs
     x = i.xs if emulated else i.xs[0]
     mix = (i.residual, i.post, i.comb, i.pre, i.norm_weight)
     engine = op._engine
     endpoint = op.endpoints[0] if emulated else op._endpoint
-    launch = engine.validator.check_call(i.xs[0], mix, i.eps, None, None)
+    validator = engine.validator
+    launch = validator.check_call(i.xs[0], mix, i.eps, None, None)
     tokens = i.xs[0].shape[0]
     m, hc, hidden = i.residual.shape
     out = (torch.empty(m, hc, hidden, dtype=torch.bfloat16, device="cuda"), torch.empty(m, hidden, dtype=torch.bfloat16, device="cuda"))
     out_arg = [out] if emulated else out
-    if engine.together:  # AllReduceMHC: both kernels behind one host call
-        run = engine.launcher(endpoint, finalize=False)
-
-        def launch_only():
-            run(*launch.contribution, *launch.mix, *launch.outputs, i.eps, tokens)
-    else:
-
-        def launch_only():
-            two_launches()
 
     def two_launches():
         engine.publish(endpoint, launch, tokens, finalize=False)
         engine.consume(endpoint, launch, i.eps, tokens)
 
-    validator = engine.validator
-    return {
+    parts = {
         "call": _per_call_us(lambda: op(x, *mix, i.eps)),
         "call with out=": _per_call_us(lambda: op(x, *mix, i.eps, out=out_arg)),
         "validation + allocation": _per_call_us(lambda: validator.check_call(i.xs[0], mix, i.eps, None, None)),
-        "launch": _per_call_us(launch_only),
-        # Same run, for comparison: the kernels launched with two host calls (what the one-call
-        # launcher replaces).
-        "two host launch calls": _per_call_us(two_launches),
-        # The host's Python speed varies between machines and runs (the same code measured
-        # 22 and 39 us per call): a fixed CPU-only operation to compare runs by.
-        "host probe: torch.empty(0) on the CPU": _per_call_us(lambda: torch.empty(0)),
+        "allocation": _per_call_us(lambda: validator.fresh_outputs(tokens)),
     }
+    if engine.together:  # AllReduceMHC
+        addresses = engine.launcher(endpoint, finalize=False)
+        tensors = engine.tensor_launcher(endpoint, finalize=False)
+        parts["address launcher"] = _per_call_us(lambda: addresses(*launch.contribution, *launch.mix, *launch.outputs, i.eps, tokens))
+        parts["tensor launcher"] = _per_call_us(lambda: tensors(i.xs[0], None, None, None, *mix, *out, i.eps))
+    # Same run, for comparison: the kernels launched with two host calls (what one call replaces).
+    parts["two host launch calls"] = _per_call_us(two_launches)
+    # The host's Python speed varies between machines and runs (the same code measured 22 and
+    # 39 us per call): a fixed CPU-only operation to compare runs by.
+    parts["host probe: torch.empty(0) on the CPU"] = _per_call_us(lambda: torch.empty(0))
+    return parts
 
 
 def _format_row(row: Row) -> str:

@@ -156,3 +156,161 @@ def test_processes_sharing_one_gpu_through_ipc_mailboxes(world):
         assert not problems, f"rank {rank}:\n" + "\n".join(problems)
     armed = all(bool((m.view(torch.int16) == sentinel).all()) for m in mailboxes)
     assert armed, "a consumed mailbox slot was not re-armed"
+
+
+# AllReduceMHC's tensor launcher: the eager path of calls without caller-given outputs.
+
+def _one_rank_op(group, **kwargs):
+    from mhc_ar import AllReduceMHC
+
+    return AllReduceMHC(hidden_size=HIDDEN, hc_mult=HC, max_num_tokens=CAPACITY, top_k=TOP_K, device="cuda", group=group, **kwargs)
+
+
+def _python_validation_forbidden(op):
+    """Make the Python validation path fail loudly, so a passing call proves the tensor launcher ran."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the call went through CallValidator, not the tensor launcher")
+
+    op._check_call = forbidden
+    op._engine.validator.check_finalize = forbidden
+
+
+def _poison_the_allocator(m: int) -> None:
+    """Free a poisoned block the size of the call's outputs: the caching allocator hands it to the
+    next allocation, so an output element the kernel does not write would likely read poison."""
+    from conformance.runner import POISON_BF16
+
+    block = torch.full((m * (HC + 1) * HIDDEN,), POISON_BF16, dtype=torch.int16, device="cuda")
+    del block
+
+
+def _call(op, rank, mix, eps=None):
+    eps = mix.eps if eps is None else eps
+    args = (mix.residual, mix.post, mix.comb, mix.pre, mix.norm_weight, eps)
+    if rank.is_finalize:
+        return op.finalize(rank.gemm2_permuted, rank.expert_weights, rank.expanded_idx_to_permuted_idx, rank.shared_output, *args)
+    return op(rank.x, *args)
+
+
+@pytest.mark.parametrize("residual_only", [False, True])
+def test_tensor_launcher_matches_reference(one_rank_group, residual_only):
+    op = _one_rank_op(one_rank_group, residual_only=residual_only)
+    _python_validation_forbidden(op)
+    for m in SIZES + (CAPACITY - 1,):
+        for finalize in (False, True):
+            ranks, mix = random_inputs(1, m, HIDDEN, HC, finalize=finalize, top_k=TOP_K, seed=50 + m, residual_only=residual_only)
+            _poison_the_allocator(m)
+            new_residual, layer_input = _call(op, ranks[0], mix)
+            ref = reference_for(op, ranks, mix, mxfp8=False)
+            assert_bitwise_equal(new_residual, ref.new_residual, f"M={m} finalize={finalize} new_residual")
+            if residual_only:
+                assert layer_input is None
+            else:
+                assert_bitwise_equal(layer_input, ref.layer_input, f"M={m} finalize={finalize} layer_input")
+
+
+def _bad_calls(m):
+    """(what, field, bad value): each breaks one rule CallValidator enforces."""
+    dev = "cuda"
+    misaligned = torch.rand(m * HC + 1, device=dev)[1:].view(m, HC)  # 4 bytes past a 16-byte boundary
+    return [
+        ("x dtype", "x", torch.randn(m, HIDDEN, device=dev).half()),
+        ("x shape", "x", torch.randn(m, HIDDEN + 8, device=dev).bfloat16()),
+        ("x on the CPU", "x", torch.randn(m, HIDDEN).bfloat16()),
+        ("residual M", "residual", torch.randn(m + 1, HC, HIDDEN, device=dev).bfloat16()),
+        ("residual strided", "residual", torch.randn(m, HC, 2 * HIDDEN, device=dev).bfloat16()[:, :, :HIDDEN]),
+        ("post shape", "post", torch.rand(m, HC + 1, device=dev)),
+        ("comb transposed", "comb", torch.rand(m, HC, HC, device=dev).mT),
+        ("pre misaligned", "pre", misaligned),
+        ("pre float64", "pre", torch.rand(m, HC, device=dev, dtype=torch.float64)),
+        ("pre missing", "pre", None),
+        ("norm_weight shape", "norm_weight", torch.ones(HIDDEN + 8, device=dev).bfloat16()),
+        ("norm_weight on the CPU", "norm_weight", torch.ones(HIDDEN).bfloat16()),
+        ("gemm2 strided", "gemm2_permuted", torch.randn(m * TOP_K, 2 * HIDDEN, device=dev).bfloat16()[:, ::2]),
+        ("weights shape", "expert_weights", torch.rand(m, TOP_K + 1, device=dev)),
+        ("routes int64", "expanded_idx_to_permuted_idx", torch.zeros(m, TOP_K, dtype=torch.int64, device=dev)),
+        ("shared_output M", "shared_output", torch.randn(m + 1, HIDDEN, device=dev).bfloat16()),
+    ]
+
+
+def test_tensor_launcher_rejects_what_validation_rejects_and_launches_nothing(one_rank_group):
+    """Each bad argument: the compiled launcher itself refuses it (called directly), the API
+    raises CallValidator's ValueError, and no kernel ran (state and mailbox unchanged)."""
+    from dataclasses import replace
+
+    from mhc_ar.allreduce_mhc import _REJECTED_BEFORE_LAUNCH
+    from mhc_ar.protocol import SENTINEL_BF16
+
+    op = _one_rank_op(one_rank_group)
+    m = 5
+    endpoint = op._endpoint
+    torch.cuda.synchronize()
+    state, mailbox = endpoint.state.clone(), endpoint.mailbox.clone()
+    for what, field, bad in _bad_calls(m):
+        finalize = field in ("gemm2_permuted", "expert_weights", "expanded_idx_to_permuted_idx", "shared_output")
+        ranks, mix = random_inputs(1, m, HIDDEN, HC, finalize=finalize, top_k=TOP_K, seed=7)
+        rank = ranks[0]
+        if hasattr(mix, field):
+            mix = replace(mix, **{field: bad})
+        else:
+            rank = replace(rank, **{field: bad})
+        source = rank.shared_output if finalize else rank.x
+        contribution = (source, rank.gemm2_permuted, rank.expert_weights, rank.expanded_idx_to_permuted_idx) if finalize else (source, None, None, None)
+        launch = op._finalize_tensors if finalize else op._call_tensors
+        outputs = op._fresh_outputs(m)
+        with pytest.raises(_REJECTED_BEFORE_LAUNCH):
+            launch(*contribution, mix.residual, mix.post, mix.comb, mix.pre, mix.norm_weight, *outputs, mix.eps)
+        with pytest.raises(ValueError):
+            _call(op, rank, mix)
+        torch.cuda.synchronize()
+        assert torch.equal(endpoint.state, state), f"{what}: the protocol state changed"
+        assert torch.equal(endpoint.mailbox.view(torch.int16), mailbox.view(torch.int16)), f"{what}: a mailbox changed"
+    sentinel = SENTINEL_BF16 - (1 << 16)
+    assert bool((endpoint.mailbox.view(torch.int16) == sentinel).all())
+    ranks, mix = random_inputs(1, m, HIDDEN, HC, seed=8)
+    new_residual, layer_input = _call(op, ranks[0], mix)
+    ref = reference_for(op, ranks, mix, mxfp8=False)
+    assert_bitwise_equal(new_residual, ref.new_residual, "valid call after the rejections: new_residual")
+    assert_bitwise_equal(layer_input, ref.layer_input, "valid call after the rejections: layer_input")
+
+
+def test_valid_calls_the_tensor_launcher_does_not_take_still_run(one_rank_group):
+    """post as [M, hc, 1] and an int eps are valid API input the compiled signature does not take:
+    they go through CallValidator and the address launcher (one launch, same bytes)."""
+    op = _one_rank_op(one_rank_group)
+    ranks, mix = random_inputs(1, 9, HIDDEN, HC, seed=9)
+    from dataclasses import replace
+
+    for changed in (replace(mix, post=mix.post.unsqueeze(-1)), replace(mix, eps=0)):
+        new_residual, layer_input = _call(op, ranks[0], changed)
+        ref = reference_for(op, ranks, replace(changed, post=mix.post), mxfp8=False)
+        assert_bitwise_equal(new_residual, ref.new_residual, "new_residual")
+        assert_bitwise_equal(layer_input, ref.layer_input, "layer_input")
+
+
+def test_tensor_launcher_in_a_cuda_graph(one_rank_group):
+    """Captured on a side stream (the launcher takes its stream from torch's current stream),
+    with M = 16, 1, 33 and the outputs allocated inside the capture; replayed with new inputs."""
+    op = _one_rank_op(one_rank_group)
+    _python_validation_forbidden(op)
+    sizes = (16, 1, 33)
+    static = [random_inputs(1, m, HIDDEN, HC, seed=200 + m) for m in sizes]
+    for ranks, mix in static:  # warm up (first-call module loading) outside the capture
+        _call(op, ranks[0], mix)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = [_call(op, ranks[0], mix) for ranks, mix in static]
+    for replay in range(5):
+        for (ranks, mix), m in zip(static, sizes):
+            fresh_ranks, fresh_mix = random_inputs(1, m, HIDDEN, HC, seed=300 + 10 * replay + m)
+            ranks[0].x.copy_(fresh_ranks[0].x)
+            for name in ("residual", "post", "comb", "pre", "norm_weight"):
+                getattr(mix, name).copy_(getattr(fresh_mix, name))
+        graph.replay()
+        torch.cuda.synchronize()
+        for (ranks, mix), (new_residual, layer_input), m in zip(static, outputs, sizes):
+            ref = reference_for(op, ranks, mix, mxfp8=False)
+            assert_bitwise_equal(new_residual, ref.new_residual, f"replay {replay} M={m} new_residual")
+            assert_bitwise_equal(layer_input, ref.layer_input, f"replay {replay} M={m} layer_input")
