@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU round on a device machine, every step logged under $OUT (default /tmp/mhc_out):
-#   bash scripts/gpu_round.sh [smoke] [rsqrt] [tests] [conformance] [full-a] [full-b] [bench] [host-timing] ...
+#   bash scripts/gpu_round.sh [smoke] [rsqrt] [tests] [conformance] [full-a] [full-b] [bench] [eager] [host-timing] ...
 #   several GPUs: [topo] [tp-conformance] [tp-graph] [tp-bench] [missing-rank] (NGPU ranks; default all GPUs)
 # Each step runs under `timeout`, so a hung kernel costs minutes, not the whole lease.
 set -u
@@ -40,6 +40,8 @@ for step in "${steps[@]}"; do
                     --skip-compile-checks --skip-reference-checks ;;
         conformance-quick) run conformance-quick 300 $PY -m conformance run --quick --out "$OUT/reports" ;;
         bench) run bench 420 $PY -m conformance.bench --out "$OUT/bench" ;;
+        # The eager table alone (with the H5120 rows it is reported beside), e.g. twice in a round.
+        eager) run "eager-$SECONDS" 300 $PY -m conformance.bench --hidden 5120 --m 1,16,128 --tp "" --out "$OUT/bench-eager-$SECONDS" ;;
         # Host-side parts of an eager call with the kernels replaced by a no-op (CUDA tensors).
         host-timing) run host-timing 120 $PY scripts/validation_timing.py --device cuda ;;
         # Several GPUs (one rank each, unicast transport; multicast stays off, exported above).
