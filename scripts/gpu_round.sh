@@ -42,6 +42,7 @@ for step in "${steps[@]}"; do
         bench) run bench 420 $PY -m conformance.bench --out "$OUT/bench" ;;
         # The eager table alone (with the H5120 rows it is reported beside), e.g. twice in a round.
         eager) run "eager-$SECONDS" 300 $PY -m conformance.bench --hidden 5120 --m 1,16,128 --tp "" --out "$OUT/bench-eager-$SECONDS" ;;
+        eager-state) run eager-state 300 $PY scripts/eager_state.py ;;
         # Host-side parts of an eager call with the kernels replaced by a no-op (CUDA tensors).
         host-timing) run host-timing 120 $PY scripts/validation_timing.py --device cuda ;;
         # Several GPUs (one rank each, unicast transport; multicast stays off, exported above).
