@@ -63,7 +63,6 @@ class PublishThenConsume:
         self.consumer(mailbox, state, residual, post, comb, pre, norm_weight, *outputs, eps, num_tokens, stream)
 
 
-
 class PublishThenConsumeTensors:
     """The same two kernels, launched the same way, for an eager call without caller-given
     outputs (AllReduceMHC's common case), but the per-call arguments are the torch tensors
