@@ -2,7 +2,9 @@
 
 The kernels are exactly PublishKernel's and ConsumerKernel's (PDL-chained as before); only the
 host side differs: an eager AllReduceMHC call is one TVM-FFI call instead of two, which halves
-the per-call launch overhead the host pays at small M.
+the per-call launch overhead the host pays at small M. Two forms: PublishThenConsume takes
+addresses (validated in Python), PublishThenConsumeTensors takes the tensors (checked by its
+compiled TVM-FFI signature).
 """
 
 from __future__ import annotations
