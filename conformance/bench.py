@@ -19,6 +19,7 @@ import argparse
 from html import escape as html_escape
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -301,6 +302,16 @@ def _per_call_us(fn, calls: int = 2000, batches: int = 5) -> float:
     return statistics.median(times)
 
 
+def _cpu_placement() -> str:
+    """The CPUs this process may run on and the one it ran on last (Linux), for the log."""
+    try:
+        with open("/proc/self/stat") as f:
+            last = f.read().rsplit(")", 1)[1].split()[36]
+        return f"{len(os.sched_getaffinity(0))} CPUs allowed, last on CPU {last}"
+    except (OSError, AttributeError, IndexError):
+        return "CPU placement unknown"
+
+
 def single_rank_op(hidden: int, hc: int, capacity: int):
     """AllReduceMHC over a one-process group (the unicast transport, symmetric memory), or None
     with the reason if torch.distributed or symmetric memory is unavailable here."""
@@ -378,6 +389,9 @@ def run(hiddens=H_SWEEP, ms=M_SWEEP, hc: int = 4, tps=TP_SWEEP, tp_ms=TP_M_SWEEP
     from mhc_ar import EmulatedAllReduceMHC
 
     start = time.time()
+    # The eager figures depend on the host's speed: its CPU-only probe before any GPU work, to
+    # compare with the probe beside the eager table.
+    print(f"host probe at start: torch.empty(0) on the CPU {_per_call_us(lambda: torch.empty(0)):.2f} us, {_cpu_placement()}", flush=True)
     result = BenchResult(device=torch.cuda.get_device_name(), copy_gbs=copy_bandwidth_gbs())
     print(f"device copy bandwidth: {result.copy_gbs:.0f} GB/s (read + write)", flush=True)
     capacity = max(ms)
@@ -395,7 +409,7 @@ def run(hiddens=H_SWEEP, ms=M_SWEEP, hc: int = 4, tps=TP_SWEEP, tp_ms=TP_M_SWEEP
                 parts = eager_breakdown_us(op, make_inputs(1, m, hidden, hc, seed=1), emulated=emulated)
                 result.eager_us[str(m)] = parts["call"]
                 result.eager_us[f"{m} parts"] = parts
-                print(f"eager {result.eager_api} H{hidden} M{m}: " + ", ".join(f"{k} {v:.2f} us" for k, v in parts.items()), flush=True)
+                print(f"eager {result.eager_api} H{hidden} M{m}: " + ", ".join(f"{k} {v:.2f} us" for k, v in parts.items()) + f"; {_cpu_placement()}", flush=True)
             del real
             result.mxfp8_diagnosis = measure_mxfp8_diagnosis(hidden, hc, [m for m in DIAGNOSIS_M if m <= capacity], capacity, ops["full"])
         del ops
