@@ -176,13 +176,20 @@ def _python_validation_forbidden(op):
     op._engine.validator.check_finalize = forbidden
 
 
-def _poison_the_allocator(m: int) -> None:
-    """Free a poisoned block the size of the call's outputs: the caching allocator hands it to the
-    next allocation, so an output element the kernel does not write would likely read poison."""
+def _poisoned_fresh_outputs(op):
+    """Replace the op's output allocation by NaN-poisoned tensors of the same shapes, so an
+    element the kernels do not write cannot pass; returns the list of what it handed out."""
     from conformance.runner import POISON_BF16
 
-    block = torch.full((m * (HC + 1) * HIDDEN,), POISON_BF16, dtype=torch.int16, device="cuda")
-    del block
+    real, handed_out = op._fresh_outputs, []
+
+    def poisoned(m):
+        outputs = tuple(None if t is None else t.view(torch.int16).fill_(POISON_BF16).view(torch.bfloat16) for t in real(m))
+        handed_out.append(outputs)
+        return outputs
+
+    op._fresh_outputs = poisoned
+    return handed_out
 
 
 def _call(op, rank, mix, eps=None):
@@ -197,11 +204,12 @@ def _call(op, rank, mix, eps=None):
 def test_tensor_launcher_matches_reference(one_rank_group, residual_only):
     op = _one_rank_op(one_rank_group, residual_only=residual_only)
     _python_validation_forbidden(op)
+    handed_out = _poisoned_fresh_outputs(op)
     for m in SIZES + (CAPACITY - 1,):
         for finalize in (False, True):
             ranks, mix = random_inputs(1, m, HIDDEN, HC, finalize=finalize, top_k=TOP_K, seed=50 + m, residual_only=residual_only)
-            _poison_the_allocator(m)
             new_residual, layer_input = _call(op, ranks[0], mix)
+            assert new_residual is handed_out[-1][0] and layer_input is handed_out[-1][1]
             ref = reference_for(op, ranks, mix, mxfp8=False)
             assert_bitwise_equal(new_residual, ref.new_residual, f"M={m} finalize={finalize} new_residual")
             if residual_only:
