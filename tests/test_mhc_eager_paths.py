@@ -180,3 +180,13 @@ def test_finalize_with_uint32_routes_is_rejected_not_launched():
     with pytest.raises(ValueError, match="expanded_idx_to_permuted_idx must have dtype torch.int32"):
         op.finalize(*f.values(), *mix_of(i), 1e-6)
     assert op.log == []
+
+
+def test_the_dsl_cuda_error_is_not_taken_for_a_rejected_argument():
+    """The real class a failed launch raises (TVM-FFI error kind CUDADialectError) must stay out of
+    the fallback's catch, or a failed consumer launch would publish a second time."""
+    from cutlass.cutlass_dsl.tvm_ffi_provider import CUDADialectError
+
+    from mhc_ar.allreduce_mhc import _REJECTED_BEFORE_LAUNCH
+
+    assert not issubclass(CUDADialectError, _REJECTED_BEFORE_LAUNCH)
