@@ -207,6 +207,16 @@ def _input_sets(tp, m, hidden, hc, seed):
     return [make_inputs(tp, m, hidden, hc, seed + s) for s in range(count)]
 
 
+def tp1_ops(hidden: int, hc: int, capacity: int) -> dict:
+    """The two TP=1 instances measure_tp1 times: "full" and "mxfp8"."""
+    from mhc_ar import EmulatedAllReduceMHC
+
+    return {
+        "full": EmulatedAllReduceMHC(tp_size=1, hidden_size=hidden, hc_mult=hc, max_num_tokens=capacity),
+        "mxfp8": EmulatedAllReduceMHC(tp_size=1, hidden_size=hidden, hc_mult=hc, max_num_tokens=capacity, quantize_layer_input=True),
+    }
+
+
 def measure_tp1(hidden: int, hc: int, ms, ops) -> list[Row]:
     from flashinfer import mxfp8_quantize
 
@@ -387,8 +397,6 @@ def _format_row(row: Row) -> str:
 
 
 def run(hiddens=H_SWEEP, ms=M_SWEEP, hc: int = 4, tps=TP_SWEEP, tp_ms=TP_M_SWEEP) -> BenchResult:
-    from mhc_ar import EmulatedAllReduceMHC
-
     start = time.time()
     # The eager figures depend on the host's speed: its CPU-only probe before any GPU work, to
     # compare with the probe beside the eager table.
@@ -397,10 +405,7 @@ def run(hiddens=H_SWEEP, ms=M_SWEEP, hc: int = 4, tps=TP_SWEEP, tp_ms=TP_M_SWEEP
     print(f"device copy bandwidth: {result.copy_gbs:.0f} GB/s (read + write)", flush=True)
     capacity = max(ms)
     for hidden in hiddens:
-        ops = {
-            "full": EmulatedAllReduceMHC(tp_size=1, hidden_size=hidden, hc_mult=hc, max_num_tokens=capacity),
-            "mxfp8": EmulatedAllReduceMHC(tp_size=1, hidden_size=hidden, hc_mult=hc, max_num_tokens=capacity, quantize_layer_input=True),
-        }
+        ops = tp1_ops(hidden, hc, capacity)
         result.rows += measure_tp1(hidden, hc, ms, ops)
         if hidden == 5120:
             real, why = single_rank_op(hidden, hc, capacity)

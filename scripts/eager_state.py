@@ -32,18 +32,13 @@ def report(tag: str, op) -> None:
 
 
 def main() -> None:
-    from mhc_ar import EmulatedAllReduceMHC
-
     capacity = max(bench.M_SWEEP)
     op, why = bench.single_rank_op(5120, 4, capacity)
     if op is None:
         raise SystemExit(f"no AllReduceMHC over a 1-rank group here: {why}")
     report("before any sweep", op)
     for hidden in (5120, 4096, 7168):
-        ops = {
-            "full": EmulatedAllReduceMHC(tp_size=1, hidden_size=hidden, hc_mult=4, max_num_tokens=capacity),
-            "mxfp8": EmulatedAllReduceMHC(tp_size=1, hidden_size=hidden, hc_mult=4, max_num_tokens=capacity, quantize_layer_input=True),
-        }
+        ops = bench.tp1_ops(hidden, 4, capacity)
         start = time.time()
         bench.measure_tp1(hidden, 4, bench.M_SWEEP, ops)
         report(f"after the H{hidden} TP=1 sweep ({time.time() - start:.0f} s)", op)
