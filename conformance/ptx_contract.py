@@ -346,6 +346,46 @@ def _spin_compares_integer_lanes(kernel: _Kernel) -> PtxCheck:
     return PtxCheck(name, True, f"{len(loops)} spin loops, each with integer sentinel compares and no float setp")
 
 
+def _reads_globaltimer(i: Instruction) -> bool:
+    return "%globaltimer" in i.operands
+
+
+def _one_deadline(kernel: _Kernel) -> PtxCheck:
+    """The spin timeout is one per call: the deadline is read from %globaltimer once, outside
+    every spin loop, and each spin loop compares the clock with it and can trap (a deadline
+    restarted per rank or fragment would let a stuck call wait tp x fragments x the timeout)."""
+    name = "one spin deadline, every spin loop can trap"
+    loops = _spin_loops(kernel)
+    if not loops:
+        return PtxCheck(name, False, f"no loop around a spin load ({SPIN_LOAD})")
+    in_loops = set().union(*loops)
+    reads = [k for k, i in enumerate(kernel.instructions) if _reads_globaltimer(i)]
+    outside = [kernel.instructions[k] for k in reads if kernel.block_of[k] not in in_loops]
+    if len(outside) != 1:
+        lines = ", ".join(str(i.line) for i in outside) or "none"
+        return PtxCheck(name, False, f"{len(outside)} %globaltimer reads outside the spin loops (lines {lines}), expected 1")
+    for loop in loops:
+        body = [i for b in sorted(loop) for i in kernel.block_instructions(b)]
+        if not any(i.opcode == "trap" for i in body) or not any(_reads_globaltimer(i) for i in body):
+            return PtxCheck(name, False, f"spin loop at line {body[0].line} reads no clock or has no trap")
+    return PtxCheck(name, True, f"deadline at line {outside[0].line}; {len(loops)} spin loops, each reads the clock and can trap")
+
+
+def _call_tags_compared(kernel: _Kernel) -> PtxCheck:
+    """Out-of-step ranks trap: outside the spin loops, rank 0's call tag is broadcast in the warp
+    (shfl.sync.idx) and a guarded trap follows (mhc_ar.protocol)."""
+    name = "call tags compared, mismatch traps"
+    in_loops = set().union(*_spin_loops(kernel)) if _spin_loops(kernel) else set()
+    shuffles = kernel.matching(lambda i: i.opcode.startswith("shfl.sync.idx"))
+    traps = [
+        i for k, i in enumerate(kernel.instructions)
+        if i.opcode == "trap" and i.guarded and kernel.block_of[k] not in in_loops
+    ]
+    if len(shuffles) < 4 or not traps:
+        return PtxCheck(name, False, f"{len(shuffles)} shfl.sync.idx (4 tag words expected), {len(traps)} guarded traps outside spin loops")
+    return PtxCheck(name, True, f"{len(shuffles)} shfl.sync.idx, guarded trap at line {traps[0].line}")
+
+
 def check_consumer_ptx(ptx: str, variant: Variant) -> list[PtxCheck]:
     kernel = _Kernel(ptx)
     variant = Variant(variant)
@@ -359,7 +399,9 @@ def check_consumer_ptx(ptx: str, variant: Variant) -> list[PtxCheck]:
         _present(kernel, SPIN_LOAD, "Lamport spin: 16-byte volatile loads"),
         _sentinel_compares(kernel, "spin"),
         _spin_compares_integer_lanes(kernel),
-        _present(kernel, "st.global.v4.b32", "re-arm consumed slots, bf16 outputs"),
+        _one_deadline(kernel),
+        _call_tags_compared(kernel),
+        _present(kernel, "st.global.v4.b32", "re-arm consumed slots and tags, bf16 outputs"),
         _griddepcontrol_first(kernel),
         _consumer_stores_before_wait(kernel, variant),
         _present(kernel, "cvt.rn.bf16x2.f32", "one rounding to bf16 per stage"),
@@ -396,9 +438,9 @@ def check_publish_ptx(ptx: str, contribution: Contribution, multicast: bool, tp:
     if multicast:
         checks += [
             PtxCheck(
-                "one multimem.st per vector",
-                len(multimem_stores) == 1,
-                f"found {len(multimem_stores)} multimem.st (one store reaches every rank)",
+                "one multimem.st per vector and per call tag",
+                len(multimem_stores) == 2,
+                f"found {len(multimem_stores)} multimem.st (one store of the data, one of the tag, reaches every rank)",
             ),
             PtxCheck(
                 "no peer st.global.v4 loop",
@@ -409,9 +451,9 @@ def check_publish_ptx(ptx: str, contribution: Contribution, multicast: bool, tp:
     else:
         checks += [
             PtxCheck(
-                f"{tp} peer stores",
-                stores == tp,
-                f"found {stores} st.global.v4.b32, expected one per rank (tp={tp})",
+                f"{tp} peer stores of data and {tp} of the call tag",
+                stores == 2 * tp,
+                f"found {stores} st.global.v4.b32, expected two per rank (tp={tp}): the vector and the token's tag",
             ),
             PtxCheck(
                 "no multimem",

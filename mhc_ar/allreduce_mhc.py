@@ -174,7 +174,7 @@ class _Engine:
         )
         self.capacity = max_num_tokens
         self.together = together
-        common = dict(hidden_size=hidden_size, tp=tp, capacity=max_num_tokens, multicast=multicast)
+        common = dict(hidden_size=hidden_size, tp=tp, capacity=max_num_tokens, multicast=multicast, hc=hc_mult)
         self.publish_specs = {False: PublishSpec(contribution=Contribution.CALL, top_k=0, **common)}
         if top_k >= 1:
             self.publish_specs[True] = PublishSpec(contribution=Contribution.FINALIZE, top_k=top_k, **common)
@@ -210,22 +210,25 @@ class _Engine:
         out, to time what they cost. The outputs then break the numerics contract."""
         self._build_consumer(dataclasses.replace(self.consumer_spec, omit=frozenset(stages)))
 
-    def publish(self, endpoint: RankEndpoint, launch: _Launch, tokens: int, finalize: bool) -> None:
-        self._publish[finalize](*launch.contribution, *endpoint.publish_arguments, tokens)
+    def publish(self, endpoint: RankEndpoint, launch: _Launch, tokens: int, finalize: bool, rejected: int = 0) -> None:
+        """The publish alone; `rejected`: this rank's calls rejected since its last launch."""
+        post, comb = launch.mix[1], launch.mix[2]
+        self._publish[finalize](*launch.contribution, post, comb, *endpoint.publish_arguments, tokens, rejected)
 
     def consume(self, endpoint: RankEndpoint, launch: _Launch, eps: float, tokens: int) -> None:
         self._consume(endpoint.mailbox_address, endpoint.state, *launch.mix, *launch.outputs, eps, tokens)
 
     def launcher(self, endpoint: RankEndpoint, finalize: bool):
         """One rank's whole call as one host call, its per-rank arguments bound:
-        launcher(endpoint, finalize)(*launch.contribution, *launch.mix, *launch.outputs, eps, M).
+        launcher(endpoint, finalize)(*launch.contribution, *launch.mix, *launch.outputs, eps, M,
+        rejected).
         Needs an engine built `together`."""
         return functools.partial(self._both[finalize], *endpoint.publish_arguments, endpoint.mailbox_address)
 
     def tensor_launcher(self, endpoint: RankEndpoint, finalize: bool):
         """Like `launcher`, for the tensors themselves (None where the variant has none: MXFP8):
         tensor_launcher(endpoint, finalize)(source, gemm2, weights, routes, residual, post, comb,
-        pre, norm_weight, new_residual, layer_input, eps), None for what the variant or the
+        pre, norm_weight, new_residual, layer_input, eps, rejected), None for what the variant or the
         contribution does not use. Raises TypeError or ValueError before launching anything if a
         tensor breaks the compiled signature."""
         function = self._tensors.get(finalize)
@@ -309,7 +312,7 @@ class AllReduceMHC:
         device = _device(device)
         variant = _variant(quantize_layer_input, residual_only)
         tp = dist.get_world_size(group)
-        self._engine = _Engine(
+        self._engine = engine = _Engine(
             hidden_size=hidden_size,
             hc_mult=hc_mult,
             max_num_tokens=max_num_tokens,
@@ -322,21 +325,37 @@ class AllReduceMHC:
             together=True,
         )
         make_endpoint = multicast_endpoint if transport is Transport.MULTICAST else unicast_endpoint
-        self._endpoint = make_endpoint(group, max_num_tokens, hidden_size, device)
-        self.rank, self.tp_size = self._endpoint.rank, tp
+        self._bind(engine, make_endpoint(group, max_num_tokens, hidden_size, device))
+
+    @classmethod
+    def _for_endpoint(cls, engine: "_Engine", endpoint: RankEndpoint) -> "AllReduceMHC":
+        """One rank of an emulated group (mhc_ar.concurrent): the same object, its mailboxes in
+        one GPU's memory. `engine` must be built `together`."""
+        op = cls.__new__(cls)
+        op._engine = engine
+        op._bind(engine, endpoint)
+        return op
+
+    def _bind(self, engine: "_Engine", endpoint: RankEndpoint) -> None:
         # Bound once (each eager call pays for every attribute lookup; see the bench's eager table).
         # A call without caller-given outputs first tries the tensor launcher, whose argument
         # checks run in C; anything it rejects, or does not take (out=, mxfp8_out=, post as
         # [M, hc, 1]), goes through CallValidator, which names the argument and the rule, and
         # the address launcher.
-        engine, endpoint = self._engine, self._endpoint
-        self._capacity = max_num_tokens
+        self._endpoint = endpoint
+        self.rank, self.tp_size = endpoint.rank, endpoint.tp
+        finalize = True in engine.publish_specs
+        self._capacity = engine.capacity
         self._fresh_outputs = engine.validator.fresh_outputs
         self._check_call = engine.validator.check_call
         self._launch_call = engine.launcher(endpoint, finalize=False)
-        self._launch_finalize = engine.launcher(endpoint, finalize=True) if top_k >= 1 else None
+        self._launch_finalize = engine.launcher(endpoint, finalize=True) if finalize else None
         self._call_tensors = engine.tensor_launcher(endpoint, finalize=False)
-        self._finalize_tensors = engine.tensor_launcher(endpoint, finalize=True) if top_k >= 1 else None
+        self._finalize_tensors = engine.tensor_launcher(endpoint, finalize=True) if finalize else None
+        # Calls rejected with ValueError since the last launch. They count in the call sequence the
+        # next publish tags its data with (mhc_ar.protocol), so a call refused on this rank alone
+        # leaves it visibly out of step with its peers instead of silently one call behind.
+        self._rejected = 0
 
     @property
     def consumer_tiling(self):
@@ -350,8 +369,9 @@ class AllReduceMHC:
             results = self._launch_fresh(self._call_tensors, x, (x, None, None, None, residual, post, comb, pre, norm_weight), eps)
             if results is not None:
                 return results
-        launch = self._check_call(x, (residual, post, comb, pre, norm_weight), eps, mxfp8_out, out)
-        self._launch_call(*launch.contribution, *launch.mix, *launch.outputs, float(eps), x.shape[0])
+        launch = self._validated(self._check_call, x, (residual, post, comb, pre, norm_weight), eps, mxfp8_out, out)
+        self._launch_call(*launch.contribution, *launch.mix, *launch.outputs, float(eps), x.shape[0], self._rejected)
+        self._rejected = 0
         return launch.results
 
     def finalize(
@@ -379,11 +399,20 @@ class AllReduceMHC:
             results = self._launch_fresh(self._finalize_tensors, shared_output, tensors, eps)
             if results is not None:
                 return results
-        engine = self._engine
         mix = (residual, post, comb, pre, norm_weight)
-        launch = engine.validator.check_finalize(gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx, shared_output, mix, eps, mxfp8_out, out)
-        self._launch_finalize(*launch.contribution, *launch.mix, *launch.outputs, float(eps), shared_output.shape[0])
+        check = self._engine.validator.check_finalize
+        launch = self._validated(check, gemm2_permuted, expert_weights, routes, shared_output, mix, eps, mxfp8_out, out)
+        self._launch_finalize(*launch.contribution, *launch.mix, *launch.outputs, float(eps), shared_output.shape[0], self._rejected)
+        self._rejected = 0
         return launch.results
+
+    def _validated(self, check, *args) -> _Launch:
+        """CallValidator's verdict; a rejected call counts in the call sequence (see _bind)."""
+        try:
+            return check(*args)
+        except ValueError:
+            self._rejected += 1
+            raise
 
     def _launch_fresh(self, launch, tokens_from, tensors, eps):
         """The common eager case in as few Python operations as possible: fresh outputs, the
@@ -397,9 +426,10 @@ class AllReduceMHC:
             return None
         new_residual, layer_input = self._fresh_outputs(shape[0])
         try:
-            launch(*tensors, new_residual, layer_input, eps)
+            launch(*tensors, new_residual, layer_input, eps, self._rejected)
         except _REJECTED_BEFORE_LAUNCH:
             return None
+        self._rejected = 0
         return new_residual, layer_input
 
 
@@ -451,6 +481,7 @@ class EmulatedAllReduceMHC:
         )
         self.endpoints = emulated_endpoints(tp_size, max_num_tokens, hidden_size, device)
         self.tp_size = tp_size
+        self._rejected = 0  # calls rejected since the last launch (as AllReduceMHC's, every rank)
 
     @property
     def consumer_tiling(self):
@@ -462,13 +493,25 @@ class EmulatedAllReduceMHC:
         return list(zip(*columns))
 
     def __call__(self, x, residual, post, comb, pre=None, norm_weight=None, eps: float = 1e-6, *, mxfp8_out=None, out=None):
+        launches, tokens = self._counted(self._check_calls, x, residual, post, comb, pre, norm_weight, eps, mxfp8_out, out)
+        return self._run(launches, tokens, float(eps), finalize=False)
+
+    def _check_calls(self, x, residual, post, comb, pre, norm_weight, eps, mxfp8_out, out):
         tp, engine = self.tp_size, self._engine
         xs = _per_rank(x, "x", tp)
         tokens = check.check_tokens(xs[0], "x[0]", engine.capacity)
         mixes = self._mix(residual, post, comb, pre, norm_weight)
         mx, outs = _per_rank_pairs(mxfp8_out, "mxfp8_out", tp), _per_rank_pairs(out, "out", tp)
-        launches = [engine.validator.check_call(xs[r], mixes[r], eps, mx[r], outs[r], tokens) for r in range(tp)]
-        return self._run(launches, tokens, float(eps), finalize=False)
+        return [engine.validator.check_call(xs[r], mixes[r], eps, mx[r], outs[r], tokens) for r in range(tp)], tokens
+
+    def _counted(self, check_all, *args):
+        """Validation of every rank's call; a rejected call counts in the call sequence of every
+        virtual rank alike (see AllReduceMHC._bind)."""
+        try:
+            return check_all(*args)
+        except ValueError:
+            self._rejected += 1
+            raise
 
     def finalize(
         self,
@@ -486,6 +529,11 @@ class EmulatedAllReduceMHC:
         mxfp8_out=None,
         out=None,
     ):
+        arguments = (gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx, shared_output, residual, post, comb, pre, norm_weight, eps, mxfp8_out, out)
+        launches, tokens = self._counted(self._check_finalizes, *arguments)
+        return self._run(launches, tokens, float(eps), finalize=True)
+
+    def _check_finalizes(self, gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx, shared_output, residual, post, comb, pre, norm_weight, eps, mxfp8_out, out):
         tp, engine = self.tp_size, self._engine
         per_rank = [
             _per_rank(v, n, tp)
@@ -505,13 +553,14 @@ class EmulatedAllReduceMHC:
             if shared.shape[0] != tokens:
                 raise ValueError(f"shared_output[{r}] has {shared.shape[0]} tokens, rank 0 has {tokens}")
             launches.append(engine.validator.check_finalize(gemm2, weights, routes, shared, mixes[r], eps, mx[r], outs[r]))
-        return self._run(launches, tokens, float(eps), finalize=True)
+        return launches, tokens
 
     def _run(self, launches, tokens, eps, finalize):
         # All publishes, then all consumers: in stream order nothing ever waits on a kernel that
         # has not been launched, so the virtual ranks need no co-residency.
         for endpoint, launch in zip(self.endpoints, launches):
-            self._engine.publish(endpoint, launch, tokens, finalize)
+            self._engine.publish(endpoint, launch, tokens, finalize, self._rejected)
+        self._rejected = 0
         for endpoint, launch in zip(self.endpoints, launches):
             self._engine.consume(endpoint, launch, eps, tokens)
         return [launch.results for launch in launches]
@@ -520,6 +569,7 @@ class EmulatedAllReduceMHC:
         """Re-arm all mailboxes and restart generations (only between calls, for tests)."""
         for endpoint in self.endpoints:
             endpoint.reset()
+        self._rejected = 0
 
 
 def _per_rank_pairs(value, name: str, tp: int) -> list:

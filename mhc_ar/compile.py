@@ -47,8 +47,9 @@ def _options(arch: str | None, keep_ptx: bool) -> str:
     if arch is not None:
         options.append(f"--gpu-arch={arch}")
     if keep_ptx:
-        # The DSL also writes the PTX to a file: keep it out of the working directory.
-        options += ["--keep-ptx", f"--dump-dir={_dump_dir()}"]
+        # The DSL also writes the PTX and cubin to files: keep them out of the working directory.
+        # The cubin serves the co-residency bound (mhc_ar.residency: the driver's occupancy).
+        options += ["--keep-ptx", "--keep-cubin", f"--dump-dir={_dump_dir()}"]
     return " ".join(options)
 
 
@@ -65,9 +66,9 @@ def _fake_state():
 def compile_publish(spec: PublishSpec, arch: str | None = None, keep_ptx: bool = False) -> CompiledKernel:
     zero = Int64(0)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    addresses = [zero] * 4 + [_fake_state()] + [zero] * 9  # source..routes, state, 8 peers, multicast
+    addresses = [zero] * 6 + [_fake_state()] + [zero] * 9  # source..comb, state, 8 peers, multicast
     function = cute.compile(
-        PublishKernel(spec), *addresses, Int32(0), Int32(1), stream, options=_options(arch, keep_ptx)
+        PublishKernel(spec), *addresses, Int32(0), Int32(1), Int32(0), stream, options=_options(arch, keep_ptx)
     )
     return CompiledKernel(publish_name(spec), spec, arch, function)
 
@@ -103,7 +104,8 @@ def compile_publish_then_consume(
         Int32(0),  # rank
         *([zero] * 14),  # mailbox, source .. routes, residual .. mx_scales
         Float32(1e-6),
-        Int32(1),
+        Int32(1),  # num_tokens
+        Int32(0),  # rejected
         stream,
         options=_options(arch, keep_ptx),
     )
@@ -148,6 +150,7 @@ def compile_tensor_launcher(
         *mix,
         *outputs,
         Float32(1e-6),
+        Int32(0),  # rejected
         make_fake_stream(use_tvm_ffi_env_stream=True),
         options=_options(arch, keep_ptx),
     )
@@ -162,7 +165,7 @@ def _row_major(dtype, shape):
 
 def publish_name(spec: PublishSpec) -> str:
     transport = "multicast" if spec.multicast else "unicast"
-    return f"publish-{spec.contribution.value}-{transport}-H{spec.hidden_size}-tp{spec.tp}-k{spec.top_k}"
+    return f"publish-{spec.contribution.value}-{transport}-H{spec.hidden_size}-hc{spec.hc}-tp{spec.tp}-k{spec.top_k}"
 
 
 def consumer_name(spec: ConsumerSpec) -> str:
@@ -183,6 +186,7 @@ def kernel_variants(hidden_size: int = 5120, hc: int = 4, tp: int = 8, capacity:
                     contribution=contribution,
                     top_k=top_k if contribution is Contribution.FINALIZE else 0,
                     multicast=multicast,
+                    hc=hc,
                 )
             )
     tiling = choose_consumer_tiling(hidden_size)

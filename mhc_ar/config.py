@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from .protocol import MAX_TP
+from .protocol import MAX_CAPACITY, MAX_TP
 
 VECTOR_ELEMS = 8  # bf16 per 16-byte vector
 WARP_SIZE = 32
@@ -136,9 +136,11 @@ def choose_consumer_tiling(hidden_size: int) -> ConsumerTiling:
     return ConsumerTiling(hidden_size, cluster, threads, per_cta)
 
 
-# Consumer stages a diagnostic build may leave out (MXFP8 variant): the zeroing of the padding
-# scale rows, and the per-block quantization (amax, scale, e4m3 values and scale stores).
-DIAGNOSTIC_STAGES = frozenset({"padding_scales", "mxfp8_block"})
+# Consumer stages a diagnostic build may leave out: the zeroing of the padding scale rows and the
+# per-block quantization (amax, scale, e4m3 values and scale stores) of the MXFP8 variant; and
+# the comparison of the ranks' call tags (the tags are still awaited and re-armed), which shows
+# what out-of-step ranks do without it and what the comparison costs.
+DIAGNOSTIC_STAGES = frozenset({"padding_scales", "mxfp8_block", "step_check"})
 
 
 @dataclass(frozen=True)
@@ -161,8 +163,7 @@ class ConsumerSpec:
             raise ValueError(f"omit must be a subset of {sorted(DIAGNOSTIC_STAGES)}, got {sorted(self.omit)}")
         if not 0 < self.spin_timeout_ns < 2**62:
             raise ValueError(f"spin timeout must be positive, got {self.spin_timeout_ns} ns")
-        if not 1 <= self.hc <= MAX_HC:
-            raise ValueError(f"hc_mult must be in [1, {MAX_HC}], got {self.hc}")
+        _check_hc(self.hc)
         if self.variant is Variant.MXFP8 and self.tiling.hidden_size % (4 * MXFP8_BLOCK):
             raise ValueError("the MXFP8 variant needs hidden_size to be a multiple of 128")
 
@@ -188,10 +189,12 @@ class PublishSpec:
     contribution: Contribution
     top_k: int
     multicast: bool
+    hc: int  # the call tag's fingerprint reads each token's post [hc] and comb [hc, hc]
     threads_per_cta: int = PUBLISH_THREADS
 
     def __post_init__(self):
         _check_sizes(self.hidden_size, self.tp, self.capacity)
+        _check_hc(self.hc)
         if self.contribution is Contribution.FINALIZE and self.top_k < 1:
             raise ValueError(f"top_k must be >= 1 for finalize, got {self.top_k}")
         if self.contribution is Contribution.CALL and self.top_k != 0:
@@ -209,11 +212,17 @@ def _check_sizes(hidden_size: int, tp: int, capacity: int) -> None:
         raise ValueError(f"hidden_size must be a positive multiple of {VECTOR_ELEMS}, got {hidden_size}")
     if not 1 <= tp <= MAX_TP:
         raise ValueError(f"tp size must be in [1, {MAX_TP}], got {tp}")
-    if capacity < 1:
-        raise ValueError(f"max_num_tokens must be >= 1, got {capacity}")
+    if not 1 <= capacity <= MAX_CAPACITY:
+        # M travels in a 30-bit call-tag field (mhc_ar.protocol).
+        raise ValueError(f"max_num_tokens must be in [1, {MAX_CAPACITY}], got {capacity}")
     # Byte offsets are 64-bit; token and vector indices are 32-bit.
     if capacity * (hidden_size // VECTOR_ELEMS) >= 2**31:
         raise ValueError("max_num_tokens * hidden_size / 8 must stay below 2**31")
+
+
+def _check_hc(hc: int) -> None:
+    if not 1 <= hc <= MAX_HC:
+        raise ValueError(f"hc_mult must be in [1, {MAX_HC}], got {hc}")
 
 
 def padded_scale_rows(num_tokens: int) -> int:

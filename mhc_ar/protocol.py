@@ -1,14 +1,28 @@
-"""The one-shot Lamport push protocol: mailbox layout, sentinel, generation state.
+"""The one-shot Lamport push protocol: mailbox layout, sentinel, call tags, generation state.
 
-Each rank owns a mailbox ``[GENERATIONS, tp, capacity, H]`` bf16, filled with the sentinel
-0x8000 (bf16 -0.0). A call publishes rank r's contribution into slot r of generation g of *every*
-rank's mailbox; the consumer spins on its own mailbox until no lane equals the sentinel, reduces,
-and re-arms exactly the slots it consumed.
+Each rank owns a mailbox ``[GENERATIONS, tp, capacity, row_elems(H)]`` bf16, filled with the
+sentinel 0x8000 (bf16 -0.0). A call publishes rank r's contribution into slot r of generation g
+of *every* rank's mailbox; the consumer spins on its own mailbox until no lane equals the
+sentinel, reduces, and re-arms exactly the slots it consumed.
+
+A mailbox row is one token: its H values, then ROW_PAD_ELEMS more (one 128-byte line, so rows
+stay line-aligned) whose first 16 bytes hold the publisher's **call tag** (below).
 
 Why three generations: a peer can run at most one call ahead of this rank (its consumer for call
 n+1 needs this rank's publish n+1, which comes after this rank's consumer n), so while this rank
 reads generation g, peers may already write g+1; a slot re-armed in call n is next written in
-call n+3.
+call n+3. That holds for any skew between ranks, as long as every rank makes the same calls.
+
+Ranks out of step (one rank's call rejected or skipped, or a different M or op on one rank) would
+pair call k of one rank with call k+1 of another; since every rank reduces the same slots, all
+ranks would still agree with each other. The call tag makes that loud: every publish writes, per
+token, a tag of (call sequence, M, a fingerprint of the token's replicated mix coefficients,
+op, publisher rank, layout); the consumer compares each rank's tag with rank 0's (the rank field
+aside) and with the slot it came from, and traps on any difference. The sequence counts call
+*attempts*: a call rejected with ValueError counts (the host passes the number of rejected
+attempts since its last launch), so a rank whose call was refused alone is one behind in the
+sequence, not only in the data. The fingerprint covers what the sequence cannot see (a rank that
+never made a call): post and comb are replicated across TP ranks and differ from layer to layer.
 
 Generation state (int32 words in device memory, advanced by the kernels so CUDA graph replay
 works; choosing the generation on the host would freeze it into the graph):
@@ -18,12 +32,17 @@ works; choosing the generation on the host would freeze it into the graph):
   orders the read.
 * ``state[CONSUME_GENERATION]``: generation the consumer reads. Written by the publish (CTA 0,
   thread 0) with the generation it used; read by every consumer CTA after griddepcontrol.wait.
+* ``state[CALL_SEQUENCE]``: sequence number of this rank's next call. Read by every publish CTA
+  (plus the rejected attempts the host passes); written only by the consumer (CTA 0), with the
+  sequence of the tags it consumed plus one.
 
-Two words, one writer each per kernel, so no CTA ever reads a word that another CTA of the same
-grid writes.
+One writer per word per kernel, so no CTA ever reads a word that another CTA of the same grid
+writes.
 """
 
 from __future__ import annotations
+
+import zlib
 
 GENERATIONS = 3
 SENTINEL_BF16 = 0x8000  # bf16 -0.0: "not yet written"
@@ -31,15 +50,87 @@ SENTINEL_WORD = (SENTINEL_BF16 << 16) | SENTINEL_BF16
 
 PUBLISH_GENERATION = 0
 CONSUME_GENERATION = 1
-STATE_WORDS = 4  # two used; padded to 16 bytes
+CALL_SEQUENCE = 2
+STATE_WORDS = 4  # three used; padded to 16 bytes
+STATE_WORD_BYTES = 4
 
 MAX_TP = 8
 
+BF16_BYTES = 2
+# Per token row: after its H values, one 128-byte line whose first 16 bytes are the call tag.
+ROW_PAD_ELEMS = 64
+TAG_WORDS = 4  # one 16-byte vector
+
+# A tag word carries 30 bits, 15 per 16-bit lane with the lane's top bit clear, so no lane of a
+# tag ever equals the sentinel 0x8000.
+TAG_FIELD_BITS = 30
+TAG_FIELD_MASK = (1 << TAG_FIELD_BITS) - 1
+# Word 3: bit 0 op (1: finalize), bits 1-3 publisher rank, bits 4-29 layout id.
+TAG_OP_BITS, TAG_RANK_SHIFT, TAG_RANK_BITS, TAG_LAYOUT_SHIFT = 1, 1, 3, 4
+TAG_RANK_MASK = ((1 << TAG_RANK_BITS) - 1) << TAG_RANK_SHIFT
+TAG_LAYOUT_BITS = TAG_FIELD_BITS - TAG_LAYOUT_SHIFT
+# Fingerprint of a token's post [hc] and comb [hc, hc] fp32 words: sum of word_i * multiplier_i
+# mod 2^32 (each multiplier odd, so a change of any one word changes the sum), folded to 30 bits.
+FINGERPRINT_MULTIPLIER = 0x9E3779B1
+
+
+def row_elems(hidden_size: int) -> int:
+    """bf16 elements per mailbox row: the token's values and the padding line with its tag."""
+    return hidden_size + ROW_PAD_ELEMS
+
 
 def mailbox_shape(tp: int, capacity: int, hidden_size: int) -> tuple[int, int, int, int]:
-    return (GENERATIONS, tp, capacity, hidden_size)
+    return (GENERATIONS, tp, capacity, row_elems(hidden_size))
 
 
 def slot_byte_offset(generation, rank, token, hidden_size: int, tp: int, capacity: int):
     """Byte offset of mailbox[generation, rank, token, 0] (works on ints and DSL integers)."""
-    return ((generation * tp + rank) * capacity + token) * (hidden_size * 2)
+    return ((generation * tp + rank) * capacity + token) * (row_elems(hidden_size) * BF16_BYTES)
+
+
+def tag_byte_offset(hidden_size: int) -> int:
+    """Byte offset of the call tag within a mailbox row."""
+    return hidden_size * BF16_BYTES
+
+
+def pack_tag_field(value: int) -> int:
+    """30 bits of `value` as one tag word: bits 0-14 in the low lane, 15-29 in the high lane."""
+    value &= TAG_FIELD_MASK
+    return (value & 0x7FFF) | ((value << 1) & 0x7FFF0000)
+
+
+def unpack_tag_field(word: int) -> int:
+    return (word & 0x7FFF) | ((word >> 1) & 0x3FFF8000)
+
+
+def layout_id(hidden_size: int, tp: int, capacity: int, hc: int) -> int:
+    """What every rank's instance must agree on for the mailbox bytes to mean the same thing."""
+    key = f"H={hidden_size} tp={tp} capacity={capacity} hc={hc}".encode()
+    return zlib.crc32(key) & ((1 << TAG_LAYOUT_BITS) - 1)
+
+
+def fingerprint_multiplier(index: int) -> int:
+    return (FINGERPRINT_MULTIPLIER * (2 * index + 1)) & 0xFFFFFFFF
+
+
+def fold_fingerprint(total: int) -> int:
+    """The 32-bit sum folded to the 30 bits a tag field carries (the top two bits are xor-ed into
+    the bottom two, so a sign-bit change of one coefficient still shows)."""
+    total &= 0xFFFFFFFF
+    return (total ^ (total >> TAG_FIELD_BITS)) & TAG_FIELD_MASK
+
+
+def fingerprint(words) -> int:
+    """Fingerprint of a token's coefficient words (post[0..hc-1], then comb row-major), as ints."""
+    total = sum(int(w) * fingerprint_multiplier(i) for i, w in enumerate(words))
+    return fold_fingerprint(total)
+
+
+def call_tag(sequence: int, tokens: int, fingerprint_value: int, finalize: bool, rank: int, layout: int) -> tuple[int, int, int, int]:
+    """The four tag words a publish writes (reference for tests; the kernel computes the same)."""
+    word3 = int(finalize) | (rank << TAG_RANK_SHIFT) | (layout << TAG_LAYOUT_SHIFT)
+    return (pack_tag_field(sequence), pack_tag_field(tokens), pack_tag_field(fingerprint_value), pack_tag_field(word3))
+
+
+# max_num_tokens must fit a tag field.
+MAX_CAPACITY = TAG_FIELD_MASK

@@ -149,20 +149,60 @@ def words_hold_sentinel(w0: Uint32, w1: Uint32, w2: Uint32, w3: Uint32, *, loc=N
 
 
 @dsl_user_op
-def spin_deadline(deadline: Int64, timeout_ns: int, *, loc=None, ip=None) -> Int64:
-    """Called once per spin iteration: the first call (deadline 0) sets now + timeout_ns; a call
-    after the deadline executes `trap`, so a peer that never publishes fails the launch with a
-    CUDA error instead of hanging the GPU forever."""
+def deadline_after(timeout_ns: int, *, loc=None, ip=None) -> Int64:
+    """%globaltimer + timeout_ns: the one deadline of a consumer CTA's whole wait (every rank,
+    every fragment, the call tags), so a stuck call traps one timeout after the CTA began to
+    wait, not tp x fragments timeouts."""
+    ptx = f"{{\n\t.reg .u64 now;\n\tmov.u64 now, %globaltimer;\n\tadd.u64 $0, now, {int(timeout_ns)};\n\t}}"
+    return Int64(_asm(T.i64(), [], ptx, "=l", side_effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def trap_after(deadline: Int64, *, loc=None, ip=None) -> None:
+    """Called once per spin iteration: past the deadline it executes `trap`, so a peer that never
+    publishes fails the launch with a CUDA error instead of hanging the GPU forever."""
     ptx = (
-        "{\n\t.reg .u64 now;\n\t.reg .pred first, late;\n\t"
+        "{\n\t.reg .u64 now;\n\t.reg .pred late;\n\t"
         "mov.u64 now, %globaltimer;\n\t"
-        "setp.eq.u64 first, $1, 0;\n\t"
-        f"@first add.u64 $0, now, {int(timeout_ns)};\n\t"
-        "@!first mov.u64 $0, $1;\n\t"
         "setp.gt.u64 late, now, $0;\n\t"
         "@late trap;\n\t}"
     )
-    return Int64(_asm(T.i64(), _ir([Int64(deadline)], loc, ip), ptx, "=l,l", side_effects=True, loc=loc, ip=ip))
+    _asm(None, _ir([Int64(deadline)], loc, ip), ptx, "l", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def trap_if(predicate, *, loc=None, ip=None) -> None:
+    """`trap` where the predicate holds: a call tag that differs from rank 0's (ranks out of
+    step) fails the launch with a CUDA error on this rank."""
+    ptx = "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, $0, 0;\n\t@p trap;\n\t}"
+    _asm(None, [_predicate_operand(predicate, loc, ip)], ptx, "r", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def pack_tag_field(value: Uint32, *, loc=None, ip=None) -> Uint32:
+    """30 bits of a tag field, 15 per 16-bit lane with the lane's top bit clear (never the
+    sentinel); mhc_ar.protocol.pack_tag_field is the same on the host."""
+    ptx = (
+        "{\n\t.reg .b32 lo, hi;\n\tand.b32 lo, $1, 0x00007FFF;\n\tshl.b32 hi, $1, 1;\n\t"
+        "and.b32 hi, hi, 0x7FFF0000;\n\tor.b32 $0, lo, hi;\n\t}"
+    )
+    return Uint32(_asm(T.i32(), _ir([Uint32(value)], loc, ip), ptx, "=r,r", side_effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def unpack_tag_field(word: Uint32, *, loc=None, ip=None) -> Uint32:
+    ptx = (
+        "{\n\t.reg .b32 lo, hi;\n\tand.b32 lo, $1, 0x00007FFF;\n\tshr.b32 hi, $1, 1;\n\t"
+        "and.b32 hi, hi, 0x3FFF8000;\n\tor.b32 $0, lo, hi;\n\t}"
+    )
+    return Uint32(_asm(T.i32(), _ir([Uint32(word)], loc, ip), ptx, "=r,r", side_effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def mad_lo_u32(a: Uint32, b: Uint32, c: Uint32, *, loc=None, ip=None) -> Uint32:
+    """a * b + c mod 2^32 (the call tag's fingerprint)."""
+    ops = _ir([Uint32(a), Uint32(b), Uint32(c)], loc, ip)
+    return Uint32(_asm(T.i32(), ops, "mad.lo.u32 $0, $1, $2, $3;", "=r,r,r,r", side_effects=False, loc=loc, ip=ip))
 
 
 # --------------------------------------------------------------------------------------------
@@ -261,6 +301,13 @@ def ld_volatile_u32(address: Int64, *, loc=None, ip=None) -> Uint32:
 def ld_global_f32(address: Int64, *, loc=None, ip=None) -> Float32:
     ops = _ir([Int64(address)], loc, ip)
     return Float32(_asm(T.f32(), ops, "ld.global.f32 $0, [$1];", "=f,l", side_effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def ld_global_u32(address: Int64, *, loc=None, ip=None) -> Uint32:
+    """A 32-bit word as bits (the fp32 mix coefficients the call tag's fingerprint sums)."""
+    ops = _ir([Int64(address)], loc, ip)
+    return Uint32(_asm(T.i32(), ops, "ld.global.b32 $0, [$1];", "=r,l", side_effects=False, loc=loc, ip=ip))
 
 
 @dsl_user_op

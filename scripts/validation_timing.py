@@ -85,6 +85,7 @@ def _host_only_op(validator: CallValidator) -> AllReduceMHC:
     op._fresh_outputs = validator.fresh_outputs
     op._check_call = validator.check_call
     op._engine = type("Engine", (), {"validator": validator})()
+    op._rejected = 0
     for name in ("_launch_call", "_launch_finalize", "_call_tensors", "_finalize_tensors"):
         setattr(op, name, functools.partial(nop, *per_rank))
     m, h, hc = 1, validator.hidden_size, validator.hc

@@ -3,6 +3,8 @@ on PTX doctored to lack (or add) the instruction it is about."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from conformance.ptx_contract import (
@@ -68,6 +70,15 @@ CONSUMER_DOCTORINGS = [
      "stores before griddepcontrol.wait: only MXFP8 padding zeros"),
     ("non-zero store before the wait", "mxfp8", "griddepcontrol.wait;", "st.global.b32 [%rd1], %r1;\n\tgriddepcontrol.wait;",
      "stores before griddepcontrol.wait: only MXFP8 padding zeros"),
+    # The deadline taken inside the spin loops only (as before this check: restarted per rank and
+    # fragment), or a second time outside them.
+    ("deadline only inside the spin loops", "full", "mov.u64 now, %globaltimer;\n\tadd.u64", "mov.u64 now, 0;\n\tadd.u64",
+     "one spin deadline, every spin loop can trap"),
+    ("a second deadline", "mxfp8", "griddepcontrol.launch_dependents;", "griddepcontrol.launch_dependents;\n\tmov.u64 %rd9, %globaltimer;",
+     "one spin deadline, every spin loop can trap"),
+    ("spin loops never trap", "residual_only", "@late trap;", "@late exit;", "one spin deadline, every spin loop can trap"),
+    ("tag mismatch does not trap", "full", "@p trap;", "@p exit;", "call tags compared, mismatch traps"),
+    ("rank 0's tag not broadcast", "mxfp8", "shfl.sync.idx", "shfl.sync.bfly", "call tags compared, mismatch traps"),
 ]
 
 
@@ -76,6 +87,15 @@ def test_doctored_consumer_ptx_fails(sm90_ptx, what, variant, old, new, check):
     spec, ptx = sm90_ptx[f"consumer-{variant}"]
     assert old in ptx
     assert check in _failed(spec, ptx.replace(old, new)), what
+
+
+def test_consumer_without_the_tag_comparison_fails_the_contract():
+    """The diagnostic build that leaves the call-tag comparison out (what out-of-step ranks do
+    without it) is not a contract kernel."""
+    spec = next(s for s in SPECS if isinstance(s, ConsumerSpec) and s.variant is Variant.FULL)
+    diagnostic = dataclasses.replace(spec, omit=frozenset({"step_check"}))
+    ptx = compile_spec(diagnostic, "sm_90a", keep_ptx=True).ptx
+    assert _failed(diagnostic, ptx) == {"call tags compared, mismatch traps"}
 
 
 def test_residual_only_must_not_normalize(sm90_ptx):
@@ -110,10 +130,10 @@ def test_load_reachable_before_the_wait_through_a_branch_fails():
 
 
 PUBLISH_DOCTORINGS = [
-    ("unicast stores to one peer too few", "call-unicast", "st.global.v4.b32", "st.global.v2.b32", "8 peer stores", 1),
+    ("unicast stores to one peer too few", "call-unicast", "st.global.v4.b32", "st.global.v2.b32", "8 peer stores of data and 8 of the call tag", 1),
     ("unicast uses multimem", "call-unicast", "ret;", "multimem.st.relaxed.sys.global.v4.bf16x2 [%rd1], {%r1, %r1, %r1, %r1};\n\tret;", "no multimem", 1),
     ("multicast loops over peers", "call-multicast", "ret;", "st.global.v4.b32 [%rd1], {%r1, %r1, %r1, %r1};\n\tret;", "no peer st.global.v4 loop", 1),
-    ("multicast without multimem", "finalize-multicast", "multimem.st", "st.global", "one multimem.st per vector", 1),
+    ("multicast without multimem", "finalize-multicast", "multimem.st", "st.global", "one multimem.st per vector and per call tag", 1),
     ("finalize without fma", "finalize-unicast", "fma.rn.f32", "mul.rn.f32", "has fma.rn.f32", None),
     ("finalize without add", "finalize-unicast", "add.rn.f32", "sub.rn.f32", "has add.rn.f32", None),
     ("dependents launched before the wait", "call-unicast", "griddepcontrol.wait;",
@@ -149,7 +169,7 @@ def test_publish_store_count_follows_tp(sm90_ptx):
     _, ptx = sm90_ptx["publish-call-unicast"]
     assert all(c.passed for c in check_publish_ptx(ptx, Contribution.CALL, multicast=False, tp=8))
     failed = {c.name for c in check_publish_ptx(ptx, Contribution.CALL, multicast=False, tp=4) if not c.passed}
-    assert failed == {"4 peer stores"}
+    assert failed == {"4 peer stores of data and 4 of the call tag"}
 
 
 def test_empty_ptx_fails_every_presence_check():

@@ -33,7 +33,7 @@ def _entries(ptx: str) -> list[str]:
 
 def _publish(contribution: Contribution) -> PublishSpec:
     top_k = TOP_K if contribution is Contribution.FINALIZE else 0
-    return PublishSpec(hidden_size=H, tp=TP, capacity=CAPACITY, contribution=contribution, top_k=top_k, multicast=False)
+    return PublishSpec(hidden_size=H, tp=TP, capacity=CAPACITY, contribution=contribution, top_k=top_k, multicast=False, hc=HC)
 
 
 def _consumer(variant: Variant) -> ConsumerSpec:

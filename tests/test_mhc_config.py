@@ -70,9 +70,13 @@ def test_specs_reject_bad_sizes():
     with pytest.raises(ValueError, match="multiple of 128"):
         ConsumerSpec(tiling, hc=4, tp=2, capacity=8, variant=Variant.MXFP8)
     with pytest.raises(ValueError, match="top_k"):
-        PublishSpec(hidden_size=4096, tp=2, capacity=8, contribution=Contribution.FINALIZE, top_k=0, multicast=False)
+        PublishSpec(hidden_size=4096, tp=2, capacity=8, contribution=Contribution.FINALIZE, top_k=0, multicast=False, hc=4)
     with pytest.raises(ValueError, match="max_num_tokens"):
-        PublishSpec(hidden_size=4096, tp=2, capacity=0, contribution=Contribution.CALL, top_k=0, multicast=False)
+        PublishSpec(hidden_size=4096, tp=2, capacity=0, contribution=Contribution.CALL, top_k=0, multicast=False, hc=4)
+    with pytest.raises(ValueError, match="max_num_tokens"):  # M travels in a 30-bit call-tag field
+        PublishSpec(hidden_size=8, tp=2, capacity=2**30, contribution=Contribution.CALL, top_k=0, multicast=False, hc=4)
+    with pytest.raises(ValueError, match="hc_mult"):  # the call tag's fingerprint reads hc coefficients
+        PublishSpec(hidden_size=4096, tp=2, capacity=8, contribution=Contribution.CALL, top_k=0, multicast=False, hc=0)
 
 
 def test_reduction_tree_args_round_trip_into_the_reference():

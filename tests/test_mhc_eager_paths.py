@@ -42,6 +42,7 @@ def host_only_op(variant=Variant.FULL, tensor_error=None):
     tensors = variant is not Variant.MXFP8
     op._call_tensors = Recorder("tensor call", op.log, tensor_error) if tensors else None
     op._finalize_tensors = Recorder("tensor finalize", op.log, tensor_error) if tensors else None
+    op._rejected = 0
     return op
 
 
@@ -83,6 +84,7 @@ def test_plain_call_goes_to_the_tensor_launcher_with_the_tensors_themselves(vari
     assert name == "tensor call"
     assert args[:9] == (i["x"], None, None, None, *mix_of(i))
     assert args[9] is new_residual and args[10] is layer_input and args[11] == 1e-5
+    assert args[12] == 0  # no call rejected since the last launch
     assert new_residual.shape == (M, HC, H) and new_residual.dtype == torch.bfloat16 and new_residual.is_contiguous()
     if residual_only:
         assert layer_input is None
@@ -190,3 +192,25 @@ def test_the_dsl_cuda_error_is_not_taken_for_a_rejected_argument():
     from mhc_ar.allreduce_mhc import _REJECTED_BEFORE_LAUNCH
 
     assert not issubclass(CUDADialectError, _REJECTED_BEFORE_LAUNCH)
+
+
+def test_rejected_calls_count_in_the_next_launch_sequence():
+    """A call rejected with ValueError counts in the call sequence (mhc_ar.protocol): the next
+    launch, on either path, passes how many were rejected since the previous launch, then 0."""
+    op, i = host_only_op(), inputs()
+    too_many, bad = inputs(m=CAPACITY + 1), dict(i, post=i["post"][:, :1])
+    for _ in range(2):
+        with pytest.raises(ValueError, match="tokens"):
+            call(op, too_many)
+    call(op, i)
+    call(op, i)
+    out = (torch.empty(M, HC, H, dtype=torch.bfloat16), torch.empty(M, H, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="post"):
+        call(op, bad, out=out)
+    call(op, i, out=out)
+    f, wrong = finalize_inputs(), finalize_inputs(routes_dtype=torch.int64)
+    with pytest.raises(ValueError, match="expanded_idx_to_permuted_idx"):
+        op.finalize(wrong["gemm2_permuted"], wrong["expert_weights"], wrong["expanded_idx_to_permuted_idx"], wrong["shared_output"], *mix_of(i))
+    op.finalize(f["gemm2_permuted"], f["expert_weights"], f["expanded_idx_to_permuted_idx"], f["shared_output"], *mix_of(i))
+    launched = [(name, args[-1]) for name, args in op.log]
+    assert launched == [("tensor call", 2), ("tensor call", 0), ("address call", 1), ("tensor finalize", 1)]

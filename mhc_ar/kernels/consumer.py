@@ -8,6 +8,11 @@ MXFP8 block maximum (4 adjacent lanes hold one 32-value block).
 
 Contract steps (SPEC.md) as they appear below: 3 reduce, 4 post_mix, 5 collapse, 6 rms_norm,
 7 mxfp8. Steps 1-2 happened in the publish kernel.
+
+Protocol checks (mhc_ar.protocol): every wait of a CTA (each rank's 16 bytes of each fragment, and
+the call tags) shares one deadline, taken once after griddepcontrol.wait; and CTA 0 of each
+token's cluster compares the call tags of all ranks (lane r of its first warp holds rank r's),
+trapping when ranks are out of step.
 """
 
 from __future__ import annotations
@@ -36,9 +41,21 @@ from ..config import (
     ConsumerSpec,
     Variant,
 )
-from ..protocol import CONSUME_GENERATION, GENERATIONS, PUBLISH_GENERATION, SENTINEL_WORD
+from ..protocol import (
+    BF16_BYTES,
+    CALL_SEQUENCE,
+    CONSUME_GENERATION,
+    GENERATIONS,
+    PUBLISH_GENERATION,
+    SENTINEL_WORD,
+    STATE_WORD_BYTES,
+    TAG_FIELD_MASK,
+    TAG_RANK_MASK,
+    TAG_RANK_SHIFT,
+    row_elems,
+    tag_byte_offset,
+)
 
-_BF16_BYTES = 2
 _F32_BYTES = 4
 _WORDS = 4  # 32-bit words per 16-byte vector
 _SCALE_ROW_TILE = 128  # the 128x4 scale layout pads rows to a multiple of 128
@@ -65,7 +82,7 @@ class ConsumerKernel:
     """Compile-time configuration in `__init__`, launch in `__call__`, device code in `kernel`.
 
     Pointer arguments are raw device addresses (Int64); those a variant does not use are 0:
-    mailbox       this rank's mailbox [3, tp, capacity, H] bf16
+    mailbox       this rank's mailbox [3, tp, capacity, H + pad] bf16 (mhc_ar.protocol)
     residual      [M, hc, H] bf16          new_residual  [M, hc, H] bf16 (out)
     post          [M, hc] fp32             comb          [M, hc, hc] fp32 [source, target]
     pre           [M, hc] fp32             norm_weight   [H] bf16
@@ -162,8 +179,9 @@ class ConsumerKernel:
         # PDL: nothing a preceding kernel wrote (mailbox, generation, inputs) is read before this.
         cute.arch.griddepcontrol_wait()
         state_address = state.iterator.toint()
-        generation = Int64(ptx.ld_volatile_u32(state_address + CONSUME_GENERATION * 4))
+        generation = Int64(ptx.ld_volatile_u32(state_address + CONSUME_GENERATION * STATE_WORD_BYTES))
         cute.arch.griddepcontrol_launch_dependents()
+        deadline = ptx.deadline_after(spec.spin_timeout_ns)
 
         # Per-token mix coefficients (the same for every thread of the token).
         row = Int64(token)
@@ -175,8 +193,16 @@ class ConsumerKernel:
         if cutlass.const_expr(self.has_norm):
             pre_t = [ptx.ld_global_f32(pre + (row * hc + t) * _F32_BYTES) for t in range(hc)]
 
-        rank_stride = Int64(spec.capacity * hidden * _BF16_BYTES)  # mailbox[g, r] -> mailbox[g, r+1]
-        generation_base = mailbox + generation * (tp * spec.capacity * hidden * _BF16_BYTES)
+        row_bytes = row_elems(hidden) * BF16_BYTES  # mailbox[g, r, m] -> mailbox[g, r, m+1]
+        rank_stride = Int64(spec.capacity * row_bytes)  # mailbox[g, r] -> mailbox[g, r+1]
+        generation_base = mailbox + generation * (tp * rank_stride)
+        token_base = generation_base + row * row_bytes
+
+        # Call tags: lane r of CTA 0's first warp holds rank r's (loaded now, checked at the end,
+        # so its latency hides under the wait for the data).
+        tag_checker = (cta == 0) & (tid < tp)
+        tag_address = token_base + tag_byte_offset(hidden) + rank_stride * Int64(tid)
+        tag = ptx.ld_volatile_v4(tag_address, tag_checker)
 
         sum_sq = Float32(0.0)
         fragments = []  # (column, valid, p values) per fragment, for the normalization
@@ -189,15 +215,14 @@ class ConsumerKernel:
             column = Int64(vector) * VECTOR_ELEMS
 
             # ---- spin: wait until every rank's 16 bytes have landed (bitwise sentinel test)
-            slot = generation_base + (row * hidden + column) * _BF16_BYTES
+            slot = token_base + column * BF16_BYTES
             received = []
             for r in cutlass.range_constexpr(tp):
                 received.append(ptx.ld_volatile_v4(slot + rank_stride * r, valid))
             for r in cutlass.range_constexpr(tp):
                 w0, w1, w2, w3 = received[r]
-                deadline = Int64(0)
                 while ptx.words_hold_sentinel(w0, w1, w2, w3):
-                    deadline = ptx.spin_deadline(deadline, spec.spin_timeout_ns)
+                    ptx.trap_after(deadline)
                     w0, w1, w2, w3 = ptx.ld_volatile_v4(slot + rank_stride * r, valid)
                 received[r] = (w0, w1, w2, w3)
             # Re-arm exactly the slots consumed (peers write this generation again 3 calls later).
@@ -214,7 +239,7 @@ class ConsumerKernel:
             # ---- post_mix: a = y * post[t]; a = fma(residual[s], comb[s, t], a) over s in order
             streams = []
             for s in cutlass.range_constexpr(hc):
-                address = residual + ((row * hc + s) * hidden + column) * _BF16_BYTES
+                address = residual + ((row * hc + s) * hidden + column) * BF16_BYTES
                 streams.append(_widen(ptx.ld_global_v4(address, valid)))
             mixed = []
             for t in cutlass.range_constexpr(hc):
@@ -222,7 +247,7 @@ class ConsumerKernel:
                 for s in cutlass.range_constexpr(hc):
                     a = [ptx.fma_rn(streams[s][j], comb_st[s][t], a[j]) for j in range(VECTOR_ELEMS)]
                 words = _narrow(a)
-                address = new_residual + ((row * hc + t) * hidden + column) * _BF16_BYTES
+                address = new_residual + ((row * hc + t) * hidden + column) * BF16_BYTES
                 ptx.st_global_v4(address, *words, valid)
                 mixed.append(_widen(words))
 
@@ -241,16 +266,40 @@ class ConsumerKernel:
             inv = self._inverse_rms(sum_sq, eps, lane, warp, cta, warp_sums, cluster_sums)
             for f in cutlass.range_constexpr(len(fragments)):
                 vector, column, valid, p = fragments[f]
-                w = _widen(ptx.ld_global_v4(norm_weight + column * _BF16_BYTES, valid))
+                w = _widen(ptx.ld_global_v4(norm_weight + column * BF16_BYTES, valid))
                 out = _narrow([ptx.mul_rn(ptx.mul_rn(p[j], inv), w[j]) for j in range(VECTOR_ELEMS)])
-                ptx.st_global_v4(layer_input + (row * hidden + column) * _BF16_BYTES, *out, valid)
+                ptx.st_global_v4(layer_input + (row * hidden + column) * BF16_BYTES, *out, valid)
                 if cutlass.const_expr(self.has_mxfp8 and "mxfp8_block" not in spec.omit):
                     self._mxfp8_block(out, row, vector, column, lane, valid, mx_values, mx_scales)
 
-        if bid == 0 and tid == 0:
-            # Advance the generation for the next publish (see mhc_ar.protocol).
-            next_generation = (generation + 1) % GENERATIONS
-            ptx.st_global_u32(state_address + PUBLISH_GENERATION * 4, Uint32(next_generation))
+        if cta == 0:
+            self._check_call_tags(tag, tag_address, tag_checker, deadline, tid, token, generation, state_address)
+
+    # ------------------------------------------------------------------------------------------
+
+    @cute.jit
+    def _check_call_tags(self, tag, tag_address, checker, deadline, tid, token, generation, state_address):
+        """CTA 0 of a token: wait for every rank's call tag, trap unless each equals rank 0's
+        with its own rank in the rank field (mhc_ar.protocol), re-arm the tags; CTA 0 of token 0
+        then advances this rank's generation and call sequence for the next publish."""
+        if tid < WARP_SIZE:
+            t0, t1, t2, t3 = tag
+            while ptx.words_hold_sentinel(t0, t1, t2, t3):  # lanes >= tp loaded zeros
+                ptx.trap_after(deadline)
+                t0, t1, t2, t3 = ptx.ld_volatile_v4(tag_address, checker)
+            if cutlass.const_expr("step_check" not in self.spec.omit):
+                first = [cute.arch.shuffle_sync(t, offset=0) for t in (t0, t1, t2, t3)]
+                own_rank = (first[3] & Uint32(~TAG_RANK_MASK & 0xFFFFFFFF)) | (Uint32(tid) << TAG_RANK_SHIFT)
+                differs = (t0 != first[0]) | (t1 != first[1]) | (t2 != first[2]) | (t3 != own_rank)
+                ptx.trap_if(checker & differs)
+            ptx.st_global_v4(tag_address, *([Uint32(SENTINEL_WORD)] * _WORDS), checker)
+            if token == 0 and tid == 0:
+                # For the next publish (see mhc_ar.protocol): the generation after this one, and
+                # the sequence after the one every rank's tag carried.
+                next_generation = (generation + 1) % GENERATIONS
+                ptx.st_global_u32(state_address + PUBLISH_GENERATION * STATE_WORD_BYTES, Uint32(next_generation))
+                next_sequence = (ptx.unpack_tag_field(t0) + Uint32(1)) & Uint32(TAG_FIELD_MASK)
+                ptx.st_global_u32(state_address + CALL_SEQUENCE * STATE_WORD_BYTES, next_sequence)
 
     # ------------------------------------------------------------------------------------------
 

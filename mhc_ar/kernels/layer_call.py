@@ -20,8 +20,9 @@ from .publish import PublishKernel
 class PublishThenConsume:
     """Arguments: first what is fixed per rank (state, peer0..7, multicast, rank: see
     PublishKernel; mailbox: see ConsumerKernel), so the host can bind them once; then what
-    changes per call (the contribution, the mix inputs and outputs, eps, num_tokens). `state` is
-    this rank's protocol state, for both kernels."""
+    changes per call (the contribution, the mix inputs and outputs, eps, num_tokens, and the
+    calls rejected since the last launch). `state` is this rank's protocol state, for both
+    kernels."""
 
     def __init__(self, publish: PublishSpec, consumer: ConsumerSpec):
         self.publish = PublishKernel(publish)
@@ -57,10 +58,12 @@ class PublishThenConsume:
         mx_scales: Int64,
         eps: Float32,
         num_tokens: Int32,
+        rejected: Int32,
         stream,
     ):
         peers = (peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7)
-        self.publish(source, gemm2, weights, routes, state, *peers, multicast, rank, num_tokens, stream)
+        contribution = (source, gemm2, weights, routes, post, comb)
+        self.publish(*contribution, state, *peers, multicast, rank, num_tokens, rejected, stream)
         outputs = (new_residual, layer_input, mx_values, mx_scales)
         self.consumer(mailbox, state, residual, post, comb, pre, norm_weight, *outputs, eps, num_tokens, stream)
 
@@ -105,12 +108,13 @@ class PublishThenConsumeTensors:
         new_residual: cute.Tensor,
         layer_input,
         eps: Float32,
+        rejected: Int32,
         stream,
     ):
         num_tokens = Int32(source.shape[0])
         peers = (peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7)
-        contribution = (_address(source), _address(gemm2), _address(weights), _address(routes))
-        self.publish(*contribution, state, *peers, multicast, rank, num_tokens, stream)
+        contribution = (_address(source), _address(gemm2), _address(weights), _address(routes), _address(post), _address(comb))
+        self.publish(*contribution, state, *peers, multicast, rank, num_tokens, rejected, stream)
         mix = (_address(residual), _address(post), _address(comb), _address(pre), _address(norm_weight))
         outputs = (_address(new_residual), _address(layer_input), Int64(0), Int64(0))
         self.consumer(mailbox, state, *mix, *outputs, eps, num_tokens, stream)

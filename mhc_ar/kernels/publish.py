@@ -3,7 +3,8 @@
 One thread per 16-byte vector of the [M, H] contribution. Contract steps 1 (contribution: x, or
 the MoE finalize sum with one rounding) and 2 (sentinel scrub) happen here; the 16 bytes are then
 stored to each of the tp mailboxes (unicast/emulated: `st.global.v4.b32` per peer) or once to the
-multicast address (`multimem.st`, GB200/GB300 only).
+multicast address (`multimem.st`, GB200/GB300 only). The thread of each token's first vector also
+stores the token's call tag (mhc_ar.protocol) the same way.
 """
 
 from __future__ import annotations
@@ -14,10 +15,25 @@ from cutlass import Float32, Int32, Int64, Uint32
 
 from .. import ptx
 from ..config import VECTOR_ELEMS, Contribution, PublishSpec
-from ..protocol import CONSUME_GENERATION, MAX_TP, PUBLISH_GENERATION
+from ..protocol import (
+    BF16_BYTES,
+    CALL_SEQUENCE,
+    CONSUME_GENERATION,
+    MAX_TP,
+    PUBLISH_GENERATION,
+    STATE_WORD_BYTES,
+    TAG_FIELD_BITS,
+    TAG_FIELD_MASK,
+    TAG_LAYOUT_SHIFT,
+    TAG_RANK_SHIFT,
+    fingerprint_multiplier,
+    layout_id,
+    row_elems,
+    tag_byte_offset,
+)
 
-_BF16_BYTES = 2
 _WORDS_PER_VECTOR = 4
+_F32_BYTES = 4
 
 
 class PublishKernel:
@@ -28,10 +44,13 @@ class PublishKernel:
     gemm2       gemm2_permuted [rows, H] bf16 (finalize)
     weights     expert_weights [M, top_k] fp32 (finalize)
     routes      expanded_idx_to_permuted_idx [M, top_k] int32, -1 = no such expert here
+    post, comb  [M, hc] and [M, hc, hc] fp32: only their bits, for the call tag's fingerprint
     state       this rank's protocol state, int32 [STATE_WORDS] tensor (mhc_ar.protocol); also
                 tells TVM-FFI which device and stream to launch on
     peer0..7    mailbox base of ranks 0..tp-1 (unicast/emulated)
     multicast   multicast mailbox base (multicast transport)
+    rejected    this rank's calls rejected (ValueError) since its last launch: they count in the
+                call sequence, so a call refused on one rank only leaves it visibly out of step
     """
 
     def __init__(self, spec: PublishSpec):
@@ -45,6 +64,8 @@ class PublishKernel:
         gemm2: Int64,
         weights: Int64,
         routes: Int64,
+        post: Int64,
+        comb: Int64,
         state: cute.Tensor,
         peer0: Int64,
         peer1: Int64,
@@ -57,12 +78,14 @@ class PublishKernel:
         multicast: Int64,
         rank: Int32,
         num_tokens: Int32,
+        rejected: Int32,
         stream,
     ):
         threads = self.spec.threads_per_cta
         blocks = (num_tokens * self.spec.num_vectors + (threads - 1)) // threads
         peers = (peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7)
-        self.kernel(source, gemm2, weights, routes, state, *peers, multicast, rank, num_tokens).launch(
+        contribution = (source, gemm2, weights, routes, post, comb)
+        self.kernel(*contribution, state, *peers, multicast, rank, num_tokens, rejected).launch(
             grid=[blocks, 1, 1], block=[threads, 1, 1], stream=stream, use_pdl=True
         )
 
@@ -73,6 +96,8 @@ class PublishKernel:
         gemm2: Int64,
         weights: Int64,
         routes: Int64,
+        post: Int64,
+        comb: Int64,
         state: cute.Tensor,
         peer0: Int64,
         peer1: Int64,
@@ -85,6 +110,7 @@ class PublishKernel:
         multicast: Int64,
         rank: Int32,
         num_tokens: Int32,
+        rejected: Int32,
     ):
         spec = self.spec
         hidden = spec.hidden_size
@@ -94,10 +120,12 @@ class PublishKernel:
         # before this wait.
         cute.arch.griddepcontrol_wait()
         state_address = state.iterator.toint()
-        generation = Int32(ptx.ld_volatile_u32(state_address + PUBLISH_GENERATION * 4))
+        generation = Int32(ptx.ld_volatile_u32(state_address + PUBLISH_GENERATION * STATE_WORD_BYTES))
+        sequence = ptx.ld_volatile_u32(state_address + CALL_SEQUENCE * STATE_WORD_BYTES)
+        sequence = (sequence + Uint32(rejected)) & Uint32(TAG_FIELD_MASK)
         if bid == 0 and tid == 0:
             # Tell this call's consumer which generation to read (see mhc_ar.protocol).
-            ptx.st_global_u32(state_address + CONSUME_GENERATION * 4, Uint32(generation))
+            ptx.st_global_u32(state_address + CONSUME_GENERATION * STATE_WORD_BYTES, Uint32(generation))
         cute.arch.griddepcontrol_launch_dependents()
 
         index = bid * spec.threads_per_cta + tid
@@ -108,20 +136,44 @@ class PublishKernel:
             if cutlass.const_expr(self.finalize):
                 words = self._finalize_contribution(source, gemm2, weights, routes, token, vector, element_offset)
             else:
-                words = ptx.ld_global_v4(source + element_offset * _BF16_BYTES)
+                words = ptx.ld_global_v4(source + element_offset * BF16_BYTES)
             w0 = ptx.scrub_word(words[0])
             w1 = ptx.scrub_word(words[1])
             w2 = ptx.scrub_word(words[2])
             w3 = ptx.scrub_word(words[3])
 
-            slot = ((Int64(generation) * spec.tp + Int64(rank)) * spec.capacity + Int64(token)) * hidden
-            slot_bytes = (slot + Int64(vector) * VECTOR_ELEMS) * _BF16_BYTES
-            if cutlass.const_expr(spec.multicast):
-                ptx.multimem_st_v4(multicast + slot_bytes, w0, w1, w2, w3)
-            else:
-                peers = (peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7)
-                for peer in cutlass.range_constexpr(spec.tp):
-                    ptx.st_global_v4(peers[peer] + slot_bytes, w0, w1, w2, w3)
+            row = ((Int64(generation) * spec.tp + Int64(rank)) * spec.capacity + Int64(token)) * row_elems(hidden) * BF16_BYTES
+            peers = (peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7)
+            self._store_everywhere(peers, multicast, row + Int64(vector) * (VECTOR_ELEMS * BF16_BYTES), (w0, w1, w2, w3))
+            if vector == 0:
+                tag = self._call_tag(post, comb, token, sequence, num_tokens, rank)
+                self._store_everywhere(peers, multicast, row + tag_byte_offset(hidden), tag)
+
+    def _store_everywhere(self, peers, multicast, offset, words):
+        """16 bytes at `offset` of every rank's mailbox: one store per peer, or one multicast
+        (plain Python, traced inline: the branch and the loop are compile-time)."""
+        if self.spec.multicast:
+            ptx.multimem_st_v4(multicast + offset, *words)
+        else:
+            for peer in range(self.spec.tp):
+                ptx.st_global_v4(peers[peer] + offset, *words)
+
+    def _call_tag(self, post, comb, token, sequence, num_tokens, rank):
+        """The token's call tag (mhc_ar.protocol.call_tag): sequence, M, fingerprint of the
+        token's post and comb bits, and op | rank | layout."""
+        spec = self.spec
+        hc = spec.hc
+        row = Int64(token)
+        addresses = [post + (row * hc + t) * _F32_BYTES for t in range(hc)]
+        addresses += [comb + (row * hc * hc + i) * _F32_BYTES for i in range(hc * hc)]
+        total = Uint32(0)
+        for i, address in enumerate(addresses):
+            total = ptx.mad_lo_u32(ptx.ld_global_u32(address), Uint32(fingerprint_multiplier(i)), total)
+        folded = (total ^ (total >> TAG_FIELD_BITS)) & Uint32(TAG_FIELD_MASK)
+        layout = layout_id(spec.hidden_size, spec.tp, spec.capacity, hc)
+        fixed = int(self.finalize) | (layout << TAG_LAYOUT_SHIFT)
+        op_rank_layout = Uint32(fixed) | (Uint32(rank) << TAG_RANK_SHIFT)
+        return tuple(ptx.pack_tag_field(Uint32(v)) for v in (sequence, num_tokens, folded, op_rank_layout))
 
     def _finalize_contribution(self, shared, gemm2, weights, routes, token, vector, element_offset):
         """Contract step 1 for finalize: acc = +0; acc = fma(w_k, gemm2[idx_k], acc) over the routes
@@ -133,13 +185,13 @@ class PublishKernel:
             row = ptx.ld_global_s32(routes + route_offset)
             taken = row >= 0
             weight = ptx.ld_global_f32(weights + route_offset)
-            row_bytes = (Int64(row) * spec.hidden_size + Int64(vector) * VECTOR_ELEMS) * _BF16_BYTES
+            row_bytes = (Int64(row) * spec.hidden_size + Int64(vector) * VECTOR_ELEMS) * BF16_BYTES
             expert = ptx.ld_global_v4(gemm2 + row_bytes, taken)
             for w in range(_WORDS_PER_VECTOR):
                 low, high = ptx.bf16x2_to_f32x2(expert[w])
                 acc[2 * w] = ptx.fma_rn_if(taken, weight, low, acc[2 * w])
                 acc[2 * w + 1] = ptx.fma_rn_if(taken, weight, high, acc[2 * w + 1])
-        shared_words = ptx.ld_global_v4(shared + element_offset * _BF16_BYTES)
+        shared_words = ptx.ld_global_v4(shared + element_offset * BF16_BYTES)
         out = []
         for w in range(_WORDS_PER_VECTOR):
             low, high = ptx.bf16x2_to_f32x2(shared_words[w])
