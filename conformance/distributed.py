@@ -17,12 +17,11 @@ import os
 
 import torch
 
-from mhc_ar.config import Contribution, Variant
 from reference import ReductionTree
 
 from .cases import Case
 from .inputs import CaseInputs
-from .runner import OUTPUTS, KernelOutputs, instance_arguments, poisoned_outputs
+from .runner import OUTPUTS, KernelOutputs, call_rank, instance_arguments, poisoned_outputs
 
 
 def torchrun_world(min_world: int = 2) -> tuple[int, int, int] | None:
@@ -98,15 +97,7 @@ class DistributedKernelBackend:
         op = self.instance(case)
         mine = poisoned_outputs(case, self.device)  # every rank's buffers; this rank fills its own
         r = self.rank
-        out = (mine.new_residual[r], mine.layer_input[r])
-        mxfp8_out = (mine.mxfp8_values[r], mine.mxfp8_scales[r]) if case.variant is Variant.MXFP8 else None
-        own, mix = inputs.ranks[r], inputs.mix
-        mixing = (mix.residual, mix.post, mix.comb, mix.pre, mix.norm_weight, mix.eps)
-        if case.op is Contribution.CALL:
-            op(own.x, *mixing, mxfp8_out=mxfp8_out, out=out)
-        else:
-            op.finalize(own.gemm2_permuted, own.expert_weights, own.expanded_idx_to_permuted_idx, own.shared_output,
-                        *mixing, mxfp8_out=mxfp8_out, out=out)
+        call_rank(op, case, inputs, r, mine)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         gathered = {}

@@ -121,22 +121,41 @@ def poisoned_outputs(case: Case, device) -> KernelOutputs:
     has_layer_input = case.variant is not Variant.RESIDUAL_ONLY
     has_mxfp8 = case.variant is Variant.MXFP8
 
-    def bf16(*shape):
-        t = torch.empty(shape, dtype=torch.bfloat16, device=device)
-        t.view(torch.int16).fill_(POISON_BF16)
-        return t
+    def empty(dtype, *shape):
+        return torch.empty(shape, dtype=dtype, device=device)
 
-    def bytes_of(dtype, fill, *shape):
-        t = torch.empty(shape, dtype=dtype, device=device)
-        t.view(torch.uint8).fill_(fill)
-        return t
-
-    return KernelOutputs(
-        new_residual=[bf16(m, hc, h) for _ in range(tp)],
-        layer_input=[bf16(m, h) if has_layer_input else None for _ in range(tp)],
-        mxfp8_values=[bytes_of(torch.float8_e4m3fn, POISON_FP8, m, h) if has_mxfp8 else None for _ in range(tp)],
-        mxfp8_scales=[bytes_of(torch.uint8, POISON_SCALE, mxfp8_scale_bytes(m, h)) if has_mxfp8 else None for _ in range(tp)],
+    outputs = KernelOutputs(
+        new_residual=[empty(torch.bfloat16, m, hc, h) for _ in range(tp)],
+        layer_input=[empty(torch.bfloat16, m, h) if has_layer_input else None for _ in range(tp)],
+        mxfp8_values=[empty(torch.float8_e4m3fn, m, h) if has_mxfp8 else None for _ in range(tp)],
+        mxfp8_scales=[empty(torch.uint8, mxfp8_scale_bytes(m, h)) if has_mxfp8 else None for _ in range(tp)],
     )
+    poison(outputs)
+    return outputs
+
+
+def poison(outputs: KernelOutputs) -> None:
+    """Fill every output buffer with its poison pattern (again, before a replay reuses them)."""
+    patterns = {"new_residual": (torch.int16, POISON_BF16), "layer_input": (torch.int16, POISON_BF16),
+                "mxfp8_values": (torch.uint8, POISON_FP8), "mxfp8_scales": (torch.uint8, POISON_SCALE)}
+    for name, (view, fill) in patterns.items():
+        for tensor in getattr(outputs, name):
+            if tensor is not None:
+                tensor.view(view).fill_(fill)
+
+
+def call_rank(op, case: Case, inputs: CaseInputs, rank: int, outputs: KernelOutputs) -> None:
+    """One rank's call of `case` through an AllReduceMHC `op`, into that rank's buffers of
+    `outputs` (real TP under torchrun, and the concurrent ranks of conformance.stress)."""
+    out = (outputs.new_residual[rank], outputs.layer_input[rank])
+    mxfp8_out = (outputs.mxfp8_values[rank], outputs.mxfp8_scales[rank]) if case.variant is Variant.MXFP8 else None
+    own, mix = inputs.ranks[rank], inputs.mix
+    mixing = (mix.residual, mix.post, mix.comb, mix.pre, mix.norm_weight, mix.eps)
+    if case.op is Contribution.CALL:
+        op(own.x, *mixing, mxfp8_out=mxfp8_out, out=out)
+    else:
+        op.finalize(own.gemm2_permuted, own.expert_weights, own.expanded_idx_to_permuted_idx, own.shared_output,
+                    *mixing, mxfp8_out=mxfp8_out, out=out)
 
 
 class EmulatedKernelBackend:

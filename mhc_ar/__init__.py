@@ -8,10 +8,12 @@ AllReduceMHC (one rank per process) and EmulatedAllReduceMHC (tp virtual ranks o
 __version__ = "0.1.0"  # keep equal to pyproject.toml's
 
 from .allreduce_mhc import AllReduceMHC, EmulatedAllReduceMHC
+from .concurrent import ConcurrentRanks
 from .config import ConsumerTiling, Contribution, Transport, Variant, choose_consumer_tiling, mxfp8_scale_bytes
 
 __all__ = [
     "AllReduceMHC",
+    "ConcurrentRanks",
     "ConsumerTiling",
     "Contribution",
     "EmulatedAllReduceMHC",

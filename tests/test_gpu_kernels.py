@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conformance.compare import assert_bitwise_equal
+from conformance.runner import POISON_BF16
 from mhc_ar import EmulatedAllReduceMHC
 from mhc_ar.protocol import GENERATIONS, PUBLISH_GENERATION, SENTINEL_BF16
 from reference import BF16_CANONICAL_NAN, MixInputs, RankInputs
@@ -219,9 +220,20 @@ def test_graph_replay_with_changing_m_and_inputs():
     assert mailboxes_armed(op)
 
 
-def test_ten_thousand_eager_calls_random_m():
+def test_ten_thousand_eager_calls_random_m(monkeypatch):
     tp, hidden, hc = 2, 4096, 4
     op = emulated(tp, hidden, hc)
+    fresh = op._engine.validator.fresh_outputs
+
+    def poisoned_fresh_outputs(m):
+        # The outputs the object allocates per call, NaN-poisoned: an element the kernel does not
+        # write cannot pass on whatever the allocator handed back.
+        new_residual, layer_input = fresh(m)
+        new_residual.view(torch.int16).fill_(POISON_BF16)
+        layer_input.view(torch.int16).fill_(POISON_BF16)
+        return new_residual, layer_input
+
+    monkeypatch.setattr(op._engine.validator, "fresh_outputs", poisoned_fresh_outputs)
     sets = []
     for i, m in enumerate((1, 2, 7, 16, 63, 128, 129, 256)):
         ranks, mix = random_inputs(tp, m, hidden, hc, seed=500 + i)

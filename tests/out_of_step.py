@@ -1,0 +1,208 @@
+"""Ranks out of step, as a script (a trap ends the CUDA context, so each scenario is a process).
+
+    python tests/out_of_step.py SCENARIO MODE TRANSPORT
+
+SCENARIO: reject (rank 1's call 1 is rejected, an alignment check only it fails; then three
+valid calls on every rank), m_differs (call 1: rank 0 M=5, rank 1 M=7), skip (rank 1 never makes
+call 1), op_differs (call 1: rank 0 calls, rank 1 finalizes).
+MODE: check (the production consumer) or nocheck (the diagnostic build without the call-tag
+comparison: what the protocol did before it).
+TRANSPORT: streams (mhc_ar.concurrent: two virtual ranks on their own streams, one process) or
+ipc (two processes sharing the GPU through CUDA IPC mailboxes).
+
+Every rank launches all its calls with no host synchronization between them, then waits for
+each call in turn and compares its outputs with the reference of the call it made. Lines:
+    rank R call K: ok | WRONG <first difference> | rejected: <ValueError>
+    rank R ERROR at call K after S s: <CUDA error>
+    rank R DONE
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from conformance.cases import Case, Family  # noqa: E402
+from conformance.compare import first_mismatch  # noqa: E402
+from conformance.inputs import make_inputs  # noqa: E402
+from conformance.runner import call_rank, poisoned_outputs  # noqa: E402
+from mhc_ar.config import Contribution, Variant  # noqa: E402
+from mhc_ar.transport import MULTICAST_OFF_ENV  # noqa: E402
+from reference import ReductionTree, all_reduce_mhc  # noqa: E402
+
+TP, HIDDEN, HC, TOP_K, CAPACITY, M = 2, 4096, 4, 4, 8, 3
+SPIN_TIMEOUT_S = 4.0
+CALLS = 5
+# The first call at which the ranks' sequences differ, per scenario.
+FIRST_OUT_OF_STEP = {"reject": 1, "m_differs": 1, "skip": 1, "op_differs": 1}
+
+
+def case(k: int, m: int = M, op: Contribution = Contribution.CALL) -> Case:
+    top_k = TOP_K if op is Contribution.FINALIZE else 0
+    return Case(tp=TP, hidden=HIDDEN, hc=HC, m=m, op=op, variant=Variant.FULL, family=Family.NORMAL, top_k=top_k,
+                capacity=CAPACITY, seed_offset=1000 * k)
+
+
+def plan(scenario: str, rank: int) -> list[tuple[int, str, Case]]:
+    """(call index, action, case) for this rank: action 'call' or 'reject'."""
+    steps = []
+    for k in range(CALLS):
+        c = case(k, op=Contribution.FINALIZE if k % 2 else Contribution.CALL)
+        action = "call"
+        if k == 1 and rank == 1:
+            if scenario == "reject":
+                action = "reject"
+            elif scenario == "skip":
+                continue
+            elif scenario == "m_differs":
+                c = case(k, m=7, op=c.op)
+            elif scenario == "op_differs":
+                c = case(k, op=Contribution.CALL if c.op is Contribution.FINALIZE else Contribution.FINALIZE)
+        elif k == 1 and rank == 0 and scenario == "m_differs":
+            c = case(k, m=5, op=c.op)
+        steps.append((k, action, c))
+    return steps
+
+
+def misaligned_x(c: Case, device) -> torch.Tensor:
+    """A valid-looking x whose address is 2 bytes off 16-byte alignment (a check that can fail
+    on one rank only)."""
+    storage = torch.zeros(c.m * c.hidden + 8, dtype=torch.bfloat16, device=device)
+    return storage[1 : 1 + c.m * c.hidden].view(c.m, c.hidden)
+
+
+def prepare(rank: int, steps, device):
+    """Inputs and poisoned outputs of every call, made before any launch: once the calls run, no
+    host synchronization may come between them (a device-wide one would wait on a consumer
+    spinning for a peer that has not launched yet)."""
+    prepared = []
+    for k, action, c in steps:
+        inputs = make_inputs(c, device)
+        if action == "reject":
+            inputs.ranks[rank].x = misaligned_x(c, device)
+        prepared.append((k, action, c, inputs, poisoned_outputs(c, device)))
+    return prepared
+
+
+def launch_all(op, rank: int, prepared, stream_context):
+    """Every call of this rank, no host sync between them; returns what to check per call."""
+    launched = []
+    for k, action, c, inputs, outputs in prepared:
+        with stream_context():
+            if action == "reject":
+                try:
+                    call_rank(op, c, inputs, rank, outputs)
+                except ValueError as error:
+                    print(f"rank {rank} call {k}: rejected: {error}", flush=True)
+                    continue
+                raise AssertionError("the misaligned x was not rejected")
+            call_rank(op, c, inputs, rank, outputs)
+            done = torch.cuda.Event()
+            done.record()
+        launched.append((k, c, inputs, outputs, done))
+    return launched
+
+
+def check_all(rank: int, launched, tree, start: float, last: bool = True) -> bool:
+    """Wait for each call and compare; False once the CUDA context has failed."""
+    for k, c, inputs, outputs, done in launched:
+        try:
+            done.synchronize()
+            ref = all_reduce_mhc(inputs.ranks, inputs.mix, tree=tree, mxfp8=False)
+            problem = None
+            for name, want in (("new_residual", ref.new_residual), ("layer_input", ref.layer_input)):
+                mismatch = first_mismatch(want, getattr(outputs, name)[rank], output=name, rank=rank)
+                if mismatch is not None and problem is None:
+                    problem = mismatch.describe()
+        except Exception as error:  # a trap: the CUDA context is gone
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            print(f"rank {rank} ERROR at call {k} after {time.perf_counter() - start:.2f} s: {first}", flush=True)
+            return False
+        print(f"rank {rank} call {k}: " + ("ok" if problem is None else f"WRONG {problem}"), flush=True)
+    if last:
+        print(f"rank {rank} DONE", flush=True)
+    return True
+
+
+def run_streams(scenario: str, mode: str) -> None:
+    from mhc_ar.concurrent import ConcurrentRanks
+
+    device = torch.device("cuda", 0)
+    ranks = ConcurrentRanks(tp_size=TP, device=device)
+    omit = {"step_check"} if mode == "nocheck" else set()
+    ops = ranks.add(hidden_size=HIDDEN, hc_mult=HC, max_num_tokens=CAPACITY, top_k=TOP_K, spin_timeout_s=SPIN_TIMEOUT_S,
+                    diagnostic_omit=omit)
+    tree = ReductionTree(**ops[0].consumer_tiling.reduction_tree_args())
+    prepared = [prepare(r, plan(scenario, r), device) for r in range(TP)]
+    torch.cuda.synchronize(device)
+    # Call 0 is in step on every rank: run and check it first, then everything else at once.
+    for part in (slice(0, 1), slice(1, None)):
+        start = time.perf_counter()
+        launched = [launch_all(ops[r], r, prepared[r][part], lambda r=r: ranks.on(r)) for r in range(TP)]
+        for r in range(TP):
+            if not check_all(r, launched[r], tree, start, last=part.start == 1):
+                return
+
+
+def ipc_worker(rank: int, scenario: str, mode: str, mailboxes, barrier) -> None:
+    import contextlib
+
+    os.environ.update(MULTICAST_OFF_ENV)
+    from mhc_ar.allreduce_mhc import AllReduceMHC, _Engine
+    from mhc_ar.protocol import STATE_WORDS
+    from mhc_ar.transport import RankEndpoint, _pad
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    engine = _Engine(hidden_size=HIDDEN, hc_mult=HC, max_num_tokens=CAPACITY, top_k=TOP_K, tp=TP, device=device,
+                     variant=Variant.FULL, multicast=False, spin_timeout_s=SPIN_TIMEOUT_S, together=True)
+    if mode == "nocheck":
+        engine.omit_for_diagnosis({"step_check"})
+    endpoint = RankEndpoint(rank, TP, mailboxes[rank], torch.zeros(STATE_WORDS, dtype=torch.int32, device=device),
+                            _pad([mailbox.data_ptr() for mailbox in mailboxes]))
+    op = AllReduceMHC._for_endpoint(engine, endpoint)
+    tree = ReductionTree(**op.consumer_tiling.reduction_tree_args())
+    prepared = prepare(rank, plan(scenario, rank), device)
+    torch.cuda.synchronize(device)
+    barrier.wait()
+    for part in (slice(0, 1), slice(1, None)):  # call 0 (in step) first, as run_streams does
+        start = time.perf_counter()
+        launched = launch_all(op, rank, prepared[part], contextlib.nullcontext)
+        if not check_all(rank, launched, tree, start, last=part.start == 1):
+            return
+
+
+def run_ipc(scenario: str, mode: str) -> None:
+    import torch.multiprocessing as mp
+
+    from mhc_ar.protocol import SENTINEL_BF16, mailbox_shape
+
+    ctx = mp.get_context("spawn")
+    sentinel = SENTINEL_BF16 - (1 << 16)
+    mailboxes = [
+        torch.full(mailbox_shape(TP, CAPACITY, HIDDEN), sentinel, dtype=torch.int16, device="cuda").view(torch.bfloat16)
+        for _ in range(TP)
+    ]
+    torch.cuda.synchronize()
+    barrier = ctx.Barrier(TP)
+    workers = [ctx.Process(target=ipc_worker, args=(r, scenario, mode, mailboxes, barrier)) for r in range(TP)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=120)
+        if w.is_alive():
+            w.kill()
+            print("a worker hung", flush=True)
+
+
+if __name__ == "__main__":
+    os.environ.update(MULTICAST_OFF_ENV)
+    scenario, mode, transport = sys.argv[1:4]
+    if scenario not in FIRST_OUT_OF_STEP or mode not in ("check", "nocheck") or transport not in ("streams", "ipc"):
+        raise SystemExit(__doc__)
+    (run_streams if transport == "streams" else run_ipc)(scenario, mode)
