@@ -32,6 +32,18 @@ for step in "${steps[@]}"; do
                    --compare tests/data/rsqrt_delta_h200_independent.i8.zlib ;;
         tests) run tests 540 $PY -m pytest -q -x -p no:cacheprovider -m gpu tests ;;
         tests-all) run tests-all 540 $PY -m pytest -q -p no:cacheprovider -m gpu tests ;;
+        # Concurrent virtual ranks: the call tags, the co-residency bound, out-of-step ranks
+        # (streams and CUDA IPC processes), one spin timeout per call, a small stress.
+        concurrent) run concurrent 540 $PY -m pytest -q -s -p no:cacheprovider -m gpu tests/test_gpu_concurrent.py tests/test_gpu_out_of_step.py ;;
+        # The full concurrent stress: TP 2, 3, 4, 8; 10,000 calls per rank; 100 graph replays.
+        stress) run stress 540 $PY -m conformance.stress ;;
+        # The multi-process tests with CUDA MPS running, so the processes' kernels overlap for real.
+        mps) run mps 300 bash -c 'nvidia-cuda-mps-control -d && sleep 2 && python3 -m pytest -q -s -p no:cacheprovider -m gpu \
+                 tests/test_gpu_out_of_step.py -k ipc tests/test_gpu_unicast.py -k "ipc or processes"; rc=$?; echo quit | nvidia-cuda-mps-control; exit $rc' ;;
+        # The bench rows the protocol change is judged by, this tree and (when present) the commit
+        # before it checked out in .old (git worktree add .old <commit>), one after the other.
+        bench-cost) run bench-cost 560 bash -c "$PY -m conformance.bench --hidden 5120 --m 1,16,1024 --tp 8 --out $OUT/bench-new \
+                 && if [ -d .old ]; then cd .old && $PY -m conformance.bench --hidden 5120 --m 1,16,1024 --tp 8 --out $OUT/bench-old; fi" ;;
         conformance) run conformance 420 $PY -m conformance run --out "$OUT/reports" ;;
         # The complete matrix (3456 cases) in two halves, each under the device's 10-minute limit;
         # the second skips the checks that do not depend on the cases (the first ran them).

@@ -268,7 +268,7 @@ def test_tensor_launcher_rejects_what_validation_rejects_and_launches_nothing(on
         launch = op._finalize_tensors if finalize else op._call_tensors
         outputs = op._fresh_outputs(m)
         with pytest.raises(_REJECTED_BEFORE_LAUNCH):
-            launch(*contribution, mix.residual, mix.post, mix.comb, mix.pre, mix.norm_weight, *outputs, mix.eps)
+            launch(*contribution, mix.residual, mix.post, mix.comb, mix.pre, mix.norm_weight, *outputs, mix.eps, 0)
         with pytest.raises(ValueError):
             _call(op, rank, mix)
         torch.cuda.synchronize()
