@@ -40,16 +40,9 @@ for step in "${steps[@]}"; do
         # The multi-process tests with CUDA MPS running, so the processes' kernels overlap for real.
         mps) run mps 300 bash -c 'nvidia-cuda-mps-control -d && sleep 2 && python3 -m pytest -q -s -p no:cacheprovider -m gpu \
                  tests/test_gpu_out_of_step.py tests/test_gpu_unicast.py -k "ipc or processes"; rc=$?; echo quit | nvidia-cuda-mps-control; exit $rc' ;;
-        # The bench rows the protocol change is judged by, this tree and (when present) the commit
-        # before it checked out in .old (git worktree add .old <commit>), one after the other.
-        bench-cost) run bench-cost 560 bash -c "$PY -m conformance.bench --hidden 5120 --m 1,16,1024 --tp 8 --out $OUT/bench-new \
-                 && if [ -d .old ]; then cd .old && $PY -m conformance.bench --hidden 5120 --m 1,16,1024 --tp 8 --out $OUT/bench-old; fi" ;;
-        conformance) run conformance 420 $PY -m conformance run --out "$OUT/reports" ;;
-        # The complete matrix (3456 cases) in two halves, each under the device's 10-minute limit;
-        # the second skips the checks that do not depend on the cases (the first ran them).
-        full-a) run full-a 560 $PY -m conformance run --full --tp 1,2 --out "$OUT/reports" --run-id full-tp1-2 --no-progress ;;
-        full-b) run full-b 560 $PY -m conformance run --full --tp 4,8 --out "$OUT/reports" --run-id full-tp4-8 --no-progress \
-                    --skip-compile-checks --skip-reference-checks ;;
+        # Same-run cost of the protocol change: this tree against the package before it, copied
+        # as .before/mhc_ar_before (scripts/protocol_cost.py says how).
+        protocol-cost) run protocol-cost 400 env PYTHONPATH=".before:${PYTHONPATH:-}" $PY scripts/protocol_cost.py ;;
         conformance-quick) run conformance-quick 300 $PY -m conformance run --quick --out "$OUT/reports" ;;
         bench) run bench 420 $PY -m conformance.bench --out "$OUT/bench" ;;
         # The eager table alone (with the H5120 rows it is reported beside), e.g. twice in a round.
