@@ -92,6 +92,22 @@ class Stress:
             tree = ReductionTree(**ops[0].consumer_tiling.reduction_tree_args())
             self.instances.append((arguments, ops, capacity, tree))
 
+    def warm_up(self) -> None:
+        """One in-step call and finalize per instance, then a sync: every kernel is loaded before
+        the stress (CUDA may load a kernel lazily at its first launch, and loading can
+        synchronize the context while a consumer waits for a peer the host has yet to launch)."""
+        for instance, (_, _, capacity, _) in enumerate(self.instances):
+            for op in (Contribution.CALL, Contribution.FINALIZE):
+                item = self.input_set(instance, capacity, op, Family.NORMAL, 0)
+                outputs = poisoned_outputs(item.case, self.device)
+                torch.cuda.synchronize(self.device)
+                self.launch([item], [outputs], [[0.0] * self.tp])
+                self.ranks.synchronize()
+                tally = Tally()
+                self.compare([item], [outputs], tally, "warm-up")
+                if tally.mismatches:
+                    raise AssertionError(tally.first_mismatch)
+
     def describe_instances(self) -> str:
         return ", ".join(f"H{a['hidden']} hc{a['hc']} {a['variant'].value} cap {c}" for a, _, c, _ in self.instances)
 
@@ -243,6 +259,7 @@ def run(tps=(2, 3, 4, 8), calls: int = 10_000, replays: int = 100, seed: int = 0
     results = []
     for tp in tps:
         stress = Stress(tp, seed=seed)
+        stress.warm_up()
         eager = stress.eager(calls)
         report(_summary(tp, "eager", stress, eager, f"skews 0-{MAX_SKEW_US:g} us per rank and call, batches of {BATCH}"))
         graphs = stress.graphs(replays)

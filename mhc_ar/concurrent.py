@@ -16,6 +16,13 @@ or variants) can be interleaved on the same ranks.
 
 Concurrent consumers share the GPU's SMs: `add` refuses (ValueError) an instance whose
 max_num_tokens exceeds the co-residency bound of mhc_ar.residency, which `max_tokens` computes.
+
+While a consumer may spin waiting for a peer's call that the host has yet to launch, nothing
+may synchronize the device: no host sync, no operation on a stream that synchronizes with the
+ranks' streams, and no first launch of a kernel that CUDA loads lazily (loading may synchronize
+the context; measured here: a reference computation's first kernels, launched while a consumer
+waited for a call that never came, blocked until that consumer's spin timeout). Launch every
+rank's calls, then wait; keep checks to copies, or run them after the ranks are in step.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from mhc_ar.transport import MULTICAST_OFF_ENV  # noqa: E402
 from reference import ReductionTree, all_reduce_mhc  # noqa: E402
 
 TP, HIDDEN, HC, TOP_K, CAPACITY, M = 2, 4096, 4, 4, 8, 3
-SPIN_TIMEOUT_S = 4.0
+SPIN_TIMEOUT_S = 2.0
 CALLS = 5
 # The first call at which the ranks' sequences differ, per scenario.
 FIRST_OUT_OF_STEP = {"reject": 1, "m_differs": 1, "skip": 1, "op_differs": 1}
@@ -69,30 +69,40 @@ def plan(scenario: str, rank: int) -> list[tuple[int, str, Case]]:
     return steps
 
 
-def misaligned_x(c: Case, device) -> torch.Tensor:
-    """A valid-looking x whose address is 2 bytes off 16-byte alignment (a check that can fail
-    on one rank only)."""
-    storage = torch.zeros(c.m * c.hidden + 8, dtype=torch.bfloat16, device=device)
-    return storage[1 : 1 + c.m * c.hidden].view(c.m, c.hidden)
+def misaligned(tensor: torch.Tensor) -> torch.Tensor:
+    """The same values at an address 2 bytes off 16-byte alignment (a check that can fail on one
+    rank only)."""
+    storage = torch.zeros(tensor.numel() + 8, dtype=tensor.dtype, device=tensor.device)
+    view = storage[1 : 1 + tensor.numel()].view(tensor.shape)
+    view.copy_(tensor)
+    return view
 
 
-def prepare(rank: int, steps, device):
-    """Inputs and poisoned outputs of every call, made before any launch: once the calls run, no
-    host synchronization may come between them (a device-wide one would wait on a consumer
-    spinning for a peer that has not launched yet)."""
+def prepare(rank: int, steps, device, tree):
+    """Inputs, poisoned outputs and reference of every call, made before any launch. Once the
+    calls run, nothing may synchronize the device: not a host sync, and not the first launch of
+    a kernel CUDA loads lazily (loading may synchronize the context, which would wait on a
+    consumer spinning for a peer's call that comes later in the host's order)."""
     prepared = []
     for k, action, c in steps:
         inputs = make_inputs(c, device)
-        if action == "reject":
-            inputs.ranks[rank].x = misaligned_x(c, device)
-        prepared.append((k, action, c, inputs, poisoned_outputs(c, device)))
+        ref = all_reduce_mhc(inputs.ranks, inputs.mix, tree=tree, mxfp8=False)
+        # Compared on the CPU: after the launches, only copies reach the GPU (no kernel to load).
+        ref = {"new_residual": ref.new_residual.cpu(), "layer_input": ref.layer_input.cpu()}
+        if action == "reject":  # this rank's contribution at a misaligned address
+            own = inputs.ranks[rank]
+            if c.op is Contribution.CALL:
+                own.x = misaligned(own.x)
+            else:
+                own.shared_output = misaligned(own.shared_output)
+        prepared.append((k, action, c, inputs, poisoned_outputs(c, device), ref))
     return prepared
 
 
 def launch_all(op, rank: int, prepared, stream_context):
     """Every call of this rank, no host sync between them; returns what to check per call."""
     launched = []
-    for k, action, c, inputs, outputs in prepared:
+    for k, action, c, inputs, outputs, ref in prepared:
         with stream_context():
             if action == "reject":
                 try:
@@ -104,19 +114,18 @@ def launch_all(op, rank: int, prepared, stream_context):
             call_rank(op, c, inputs, rank, outputs)
             done = torch.cuda.Event()
             done.record()
-        launched.append((k, c, inputs, outputs, done))
+        launched.append((k, outputs, ref, done))
     return launched
 
 
-def check_all(rank: int, launched, tree, start: float, last: bool = True) -> bool:
+def check_all(rank: int, launched, start: float, last: bool = True) -> bool:
     """Wait for each call and compare; False once the CUDA context has failed."""
-    for k, c, inputs, outputs, done in launched:
+    for k, outputs, ref, done in launched:
         try:
             done.synchronize()
-            ref = all_reduce_mhc(inputs.ranks, inputs.mix, tree=tree, mxfp8=False)
             problem = None
-            for name, want in (("new_residual", ref.new_residual), ("layer_input", ref.layer_input)):
-                mismatch = first_mismatch(want, getattr(outputs, name)[rank], output=name, rank=rank)
+            for name, want in ref.items():
+                mismatch = first_mismatch(want, getattr(outputs, name)[rank].cpu(), output=name, rank=rank)
                 if mismatch is not None and problem is None:
                     problem = mismatch.describe()
         except Exception as error:  # a trap: the CUDA context is gone
@@ -138,14 +147,14 @@ def run_streams(scenario: str, mode: str) -> None:
     ops = ranks.add(hidden_size=HIDDEN, hc_mult=HC, max_num_tokens=CAPACITY, top_k=TOP_K, spin_timeout_s=SPIN_TIMEOUT_S,
                     diagnostic_omit=omit)
     tree = ReductionTree(**ops[0].consumer_tiling.reduction_tree_args())
-    prepared = [prepare(r, plan(scenario, r), device) for r in range(TP)]
+    prepared = [prepare(r, plan(scenario, r), device, tree) for r in range(TP)]
     torch.cuda.synchronize(device)
     # Call 0 is in step on every rank: run and check it first, then everything else at once.
     for part in (slice(0, 1), slice(1, None)):
         start = time.perf_counter()
         launched = [launch_all(ops[r], r, prepared[r][part], lambda r=r: ranks.on(r)) for r in range(TP)]
         for r in range(TP):
-            if not check_all(r, launched[r], tree, start, last=part.start == 1):
+            if not check_all(r, launched[r], start, last=part.start == 1):
                 return
 
 
@@ -167,13 +176,13 @@ def ipc_worker(rank: int, scenario: str, mode: str, mailboxes, barrier) -> None:
                             _pad([mailbox.data_ptr() for mailbox in mailboxes]))
     op = AllReduceMHC._for_endpoint(engine, endpoint)
     tree = ReductionTree(**op.consumer_tiling.reduction_tree_args())
-    prepared = prepare(rank, plan(scenario, rank), device)
+    prepared = prepare(rank, plan(scenario, rank), device, tree)
     torch.cuda.synchronize(device)
     barrier.wait()
     for part in (slice(0, 1), slice(1, None)):  # call 0 (in step) first, as run_streams does
         start = time.perf_counter()
         launched = launch_all(op, rank, prepared[part], contextlib.nullcontext)
-        if not check_all(rank, launched, tree, start, last=part.start == 1):
+        if not check_all(rank, launched, start, last=part.start == 1):
             return
 
 

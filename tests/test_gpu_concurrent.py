@@ -68,8 +68,13 @@ def test_co_residency_bound_refuses_what_does_not_fit():
     ops = ranks.add(hidden_size=5120, hc_mult=4, top_k=8, max_num_tokens=limit)
     assert len(ops) == 8
     print(ranks.describe())
-    # Beside it, a second instance gets what is left.
-    assert ranks.max_tokens(hidden_size=4096, hc_mult=2, top_k=4, quantize_layer_input=True) <= limit
+    # Beside it, a second instance gets what the largest grids of both leave (mhc_ar.residency).
+    second = dict(hidden_size=4096, hc_mult=2, top_k=4, quantize_layer_input=True)
+    beside = ranks.max_tokens(**second)
+    with pytest.raises(ValueError, match="co-residency bound"):
+        ranks.add(max_num_tokens=beside + 1, **second)
+    ranks.add(max_num_tokens=beside, **second)
+    print(f"beside it, H=4096 hc=2 mxfp8: at most {beside}; {ranks.describe()}")
 
 
 def test_concurrent_ranks_stress_small():
@@ -87,7 +92,7 @@ def test_concurrent_ranks_stress_small():
 
 
 TIMEOUT_S = 1.0
-LATE_S = 0.7  # rank 1 publishes this late, rank 2 twice as late: each within one timeout of the last
+LATE_S = 0.9  # rank 1 calls this late, rank 2 twice as late: each within one timeout of the last
 
 SCENARIO = textwrap.dedent(
     f"""
@@ -100,9 +105,8 @@ SCENARIO = textwrap.dedent(
     inputs, mix = random_inputs(3, 4, 4096, 4, seed=2)
     torch.cuda.synchronize()
     start = time.time()
-    for r in range(3):
-        if r:
-            time.sleep({LATE_S})
+    for r in range(3):  # all launched now; ranks 1 and 2 held back on their streams
+        ranks.delay(r, r * {LATE_S} * 1e6)
         with ranks.on(r):
             ops[r](inputs[r].x, mix.residual, mix.post, mix.comb, mix.pre, mix.norm_weight, mix.eps)
     try:
@@ -115,9 +119,11 @@ SCENARIO = textwrap.dedent(
 
 
 def test_spin_timeout_is_one_per_call():
-    """Rank 0's consumer waits for rank 1 (LATE_S) and then rank 2 (2 x LATE_S): each arrives
-    within one timeout of the previous, but the whole wait exceeds the timeout, so it traps at
-    about TIMEOUT_S (a deadline restarted per rank would wait 2 x LATE_S and succeed)."""
+    """Rank 0's consumer waits for rank 1 (held back LATE_S on its stream) and then rank 2
+    (2 x LATE_S): each arrives within one timeout of the previous, but the whole wait exceeds
+    the timeout, so it traps at about TIMEOUT_S (a deadline restarted per rank would wait
+    2 x LATE_S and succeed; the host, which launched everything at once, sees the error when
+    it comes)."""
     result = subprocess.run([sys.executable, "-c", SCENARIO], capture_output=True, text=True, timeout=120)
     lines = [line for line in result.stdout.splitlines() if line.startswith(("ERROR", "NO ERROR"))]
     assert lines, f"scenario printed nothing (rc {result.returncode}):\n{result.stdout}\n{result.stderr[-3000:]}"
