@@ -30,8 +30,12 @@ SCENARIOS = sorted(FIRST_OUT_OF_STEP)
 
 
 def _run(scenario: str, mode: str, transport: str) -> list[str]:
-    result = subprocess.run([sys.executable, os.path.join(HERE, "out_of_step.py"), scenario, mode, transport],
-                            capture_output=True, text=True, timeout=90)
+    try:
+        result = subprocess.run([sys.executable, os.path.join(HERE, "out_of_step.py"), scenario, mode, transport],
+                                capture_output=True, text=True, timeout=90)
+    except subprocess.TimeoutExpired as expired:
+        printed = expired.stdout.decode() if isinstance(expired.stdout, bytes) else (expired.stdout or "")
+        raise AssertionError(f"{scenario} {mode} {transport}: no end within 90 s; printed so far:\n{printed}") from None
     lines = [line for line in result.stdout.splitlines() if line.startswith("rank ")]
     print(f"{scenario} {mode} {transport}:\n  " + "\n  ".join(lines))
     assert lines, f"the scenario printed nothing (rc {result.returncode}):\n{result.stdout}\n{result.stderr[-3000:]}"
