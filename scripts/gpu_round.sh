@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU round on a device machine, every step logged under $OUT (default /tmp/mhc_out):
-#   bash scripts/gpu_round.sh [smoke] [rsqrt] [tests] [conformance] [full-a] [full-b] [bench] [eager] [host-timing] ...
+#   bash scripts/gpu_round.sh [smoke] [rsqrt] [tests] [concurrent] [stress] [protocol-cost] [mps] [conformance] [full-a] [full-b] [bench] [eager] [host-timing] ...
 #   several GPUs: [topo] [tp-conformance] [tp-graph] [tp-bench] [missing-rank] (NGPU ranks; default all GPUs)
 # Each step runs under `timeout`, so a hung kernel costs minutes, not the whole lease.
 set -u
