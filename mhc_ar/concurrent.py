@@ -27,8 +27,6 @@ rank's calls, then wait; keep checks to copies, or run them after the ranks are 
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from .allreduce_mhc import AllReduceMHC, _device, _Engine, _variant
@@ -129,17 +127,6 @@ class ConcurrentRanks:
     def synchronize(self) -> None:
         for stream in self.streams:
             stream.synchronize()
-
-    @contextlib.contextmanager
-    def after_current_stream(self):
-        """Every rank's stream waits for what the current stream has queued (e.g. input copies),
-        and the current stream for every rank's work on leaving."""
-        current = torch.cuda.current_stream(self.device)
-        for stream in self.streams:
-            stream.wait_stream(current)
-        yield
-        for stream in self.streams:
-            current.wait_stream(stream)
 
     # ---- helpers ----------------------------------------------------------------------------
 

@@ -120,8 +120,6 @@ def measure_footprint(compiled, threads_per_cta: int, cluster_size: int = 1) -> 
         if cluster_size > 1:
             clusters = _checked(driver.cuOccupancyMaxActiveClusters(function, _cluster_config(threads_per_cta, cluster_size)),
                                 "cuOccupancyMaxActiveClusters")
-        else:
-            clusters = None
         return KernelFootprint(compiled.name, threads_per_cta, int(per_sm), cluster_size, clusters, int(registers))
     finally:
         driver.cuModuleUnload(module)
