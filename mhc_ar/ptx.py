@@ -304,10 +304,17 @@ def ld_global_f32(address: Int64, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
-def ld_global_u32(address: Int64, *, loc=None, ip=None) -> Uint32:
-    """A 32-bit word as bits (the fp32 mix coefficients the call tag's fingerprint sums)."""
-    ops = _ir([Int64(address)], loc, ip)
-    return Uint32(_asm(T.i32(), ops, "ld.global.b32 $0, [$1];", "=r,l", side_effects=False, loc=loc, ip=ip))
+def ld_global_u32(address: Int64, predicate=None, *, loc=None, ip=None) -> Uint32:
+    """A 32-bit word as bits (the fp32 mix coefficients the call tag's fingerprint sums); zero
+    where the predicate is off. Issued where it is written (side effects, so the compiler cannot
+    sink it to its first use): the fingerprint's loads overlap the thread's data load."""
+    operands = _ir([Int64(address)], loc, ip)
+    constraints, pred_index = "=r,l", None
+    if predicate is not None:
+        operands.append(_predicate_operand(predicate, loc, ip))
+        constraints, pred_index = "=r,l,r", 2
+    ptx = _guarded("ld.global.b32 $0, [$1];", pred_index, zero_outputs=1)
+    return Uint32(_asm(T.i32(), operands, ptx, constraints, side_effects=True, loc=loc, ip=ip))
 
 
 @dsl_user_op

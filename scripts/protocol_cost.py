@@ -1,14 +1,17 @@
-"""Same-run cost of a protocol change: the fused call of this tree's mhc_ar against an earlier
-copy of the package, importable as `mhc_ar_before` (its imports are relative, so a copy of the
-folder under that name is a second, independent package), timed the same way in one process.
+"""Same-run cost of a protocol change: the fused call of this tree's mhc_ar against earlier
+copies of the package, each importable under its own name (its imports are relative, so a copy
+of the folder under another name is a second, independent package), timed the same way in one
+process.
 
     cp -r <old checkout>/mhc_ar DIR/mhc_ar_before
     PYTHONPATH=DIR:$PYTHONPATH python scripts/protocol_cost.py [--m 1,16,1024] [--tp 1,8]
+        [--packages mhc_ar_before,mhc_ar_other,mhc_ar]
 
 For each TP size (emulated: all publishes, then all consumers, as conformance.bench's TP rows)
 and M: the median per-call time of a CUDA graph of conformance.bench.CALLS_PER_GRAPH calls
-(conformance.bench.graph_time_us), before and after alternately for ROUNDS rounds; printed is
-the median of each side's rounds and after / before - 1. H=5120, hc=4, full variant.
+(conformance.bench.graph_time_us), the packages in turn for ROUNDS rounds; printed is the
+median of each package's rounds and its change against the first package. H=5120, hc=4, full
+variant.
 """
 
 from __future__ import annotations
@@ -33,26 +36,38 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--m", default="1,16,1024")
     parser.add_argument("--tp", default="1,8")
+    parser.add_argument("--packages", default="mhc_ar_before,mhc_ar", help="the first is the baseline")
+    parser.add_argument("--publish", action="store_true", help="also time the publishes alone (FusedSide.publish_only)")
     args = parser.parse_args(argv)
     ms = [int(v) for v in args.m.split(",")]
-    packages = {"before": importlib.import_module("mhc_ar_before"), "after": importlib.import_module("mhc_ar")}
-    print(f"device {torch.cuda.get_device_name()}; before = {packages['before'].__file__}", flush=True)
+    names = args.packages.split(",")
+    packages = {name: importlib.import_module(name) for name in names}
+    print(f"device {torch.cuda.get_device_name()}; " + "; ".join(f"{n} = {p.__file__}" for n, p in packages.items()), flush=True)
     for tp in [int(v) for v in args.tp.split(",")]:
         ops = {name: p.EmulatedAllReduceMHC(tp_size=tp, hidden_size=HIDDEN, hc_mult=HC, max_num_tokens=max(ms)) for name, p in packages.items()}
         for m in ms:
             sets = _input_sets(tp, m, HIDDEN, HC, seed=m)
             sides = {name: [FusedSide(op, s, mxfp8=False) for s in sets] for name, op in ops.items()}
-            times = {name: [] for name in ops}
-            for _ in range(ROUNDS):
-                for name, side in sides.items():
-                    times[name].append(graph_time_us([f.call for f in side]))
-            before, after = (statistics.median(times[n]) for n in ("before", "after"))
-            print(f"tp={tp} H={HIDDEN} hc={HC} M={m}: before {before:.2f} us, after {after:.2f} us, "
-                  f"{100 * (after / before - 1):+.1f}% (rounds: before {', '.join(f'{t:.2f}' for t in times['before'])}; "
-                  f"after {', '.join(f'{t:.2f}' for t in times['after'])})", flush=True)
+            _compare(names, sides, f"tp={tp} H={HIDDEN} hc={HC} M={m}", lambda f: f.call)
+            if args.publish:
+                _compare(names, sides, f"  publish only, tp={tp} M={m}", lambda f: f.publish_only)
         del ops, sides
         torch.cuda.empty_cache()
     return 0
+
+
+def _compare(names, sides, label, launch):
+    times = {name: [] for name in names}
+    for _ in range(ROUNDS):
+        for name in names:
+            times[name].append(graph_time_us([launch(f) for f in sides[name]]))
+    base = statistics.median(times[names[0]])
+    parts = []
+    for name in names:
+        median = statistics.median(times[name])
+        change = "" if name == names[0] else f" ({100 * (median / base - 1):+.1f}%)"
+        parts.append(f"{name} {median:.2f} us{change} [{', '.join(f'{t:.2f}' for t in times[name])}]")
+    print(f"{label}: " + "; ".join(parts), flush=True)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ Contract steps (SPEC.md) as they appear below: 3 reduce, 4 post_mix, 5 collapse,
 
 Protocol checks (mhc_ar.protocol): every wait of a CTA (each rank's 16 bytes of each fragment, and
 the call tags) shares one deadline, taken once after griddepcontrol.wait; and CTA 0 of each
-token's cluster compares the call tags of all ranks (lane r of its first warp holds rank r's),
-trapping when ranks are out of step.
+token's cluster compares the call tags of all ranks (lane r of its first warp holds rank r's)
+right after its first fragment's data has landed, trapping when ranks are out of step.
 """
 
 from __future__ import annotations
@@ -198,11 +198,10 @@ class ConsumerKernel:
         generation_base = mailbox + generation * (tp * rank_stride)
         token_base = generation_base + row * row_bytes
 
-        # Call tags: lane r of CTA 0's first warp holds rank r's (loaded now, checked at the end,
-        # so its latency hides under the wait for the data).
+        # Call tags: lane r of CTA 0's first warp holds rank r's (loaded with the first fragment's
+        # data, checked as soon as that has landed, so its latency hides under the data's).
         tag_checker = (cta == 0) & (tid < tp)
         tag_address = token_base + tag_byte_offset(hidden) + rank_stride * Int64(tid)
-        tag = ptx.ld_volatile_v4(tag_address, tag_checker)
 
         sum_sq = Float32(0.0)
         fragments = []  # (column, valid, p values) per fragment, for the normalization
@@ -219,6 +218,8 @@ class ConsumerKernel:
             received = []
             for r in cutlass.range_constexpr(tp):
                 received.append(ptx.ld_volatile_v4(slot + rank_stride * r, valid))
+            if cutlass.const_expr(k == 0):
+                tag = ptx.ld_volatile_v4(tag_address, tag_checker)
             for r in cutlass.range_constexpr(tp):
                 w0, w1, w2, w3 = received[r]
                 while ptx.words_hold_sentinel(w0, w1, w2, w3):
@@ -228,6 +229,9 @@ class ConsumerKernel:
             # Re-arm exactly the slots consumed (peers write this generation again 3 calls later).
             for r in cutlass.range_constexpr(tp):
                 ptx.st_global_v4(slot + rank_stride * r, *([Uint32(SENTINEL_WORD)] * _WORDS), valid)
+            if cutlass.const_expr(k == 0):
+                if cta == 0:
+                    self._check_call_tags(tag, tag_address, tag_checker, deadline, tid, token, generation, state_address)
 
             # ---- reduce: fp32 sum in rank order from +0.0, one rounding to bf16
             total = [Float32(0.0)] * VECTOR_ELEMS
@@ -272,8 +276,6 @@ class ConsumerKernel:
                 if cutlass.const_expr(self.has_mxfp8 and "mxfp8_block" not in spec.omit):
                     self._mxfp8_block(out, row, vector, column, lane, valid, mx_values, mx_scales)
 
-        if cta == 0:
-            self._check_call_tags(tag, tag_address, tag_checker, deadline, tid, token, generation, state_address)
 
     # ------------------------------------------------------------------------------------------
 
@@ -281,7 +283,9 @@ class ConsumerKernel:
     def _check_call_tags(self, tag, tag_address, checker, deadline, tid, token, generation, state_address):
         """CTA 0 of a token: wait for every rank's call tag, trap unless each equals rank 0's
         with its own rank in the rank field (mhc_ar.protocol), re-arm the tags; CTA 0 of token 0
-        then advances this rank's generation and call sequence for the next publish."""
+        then advances this rank's generation and call sequence for the next publish (which reads
+        them only after its griddepcontrol.wait, i.e. once this whole grid has finished, so they
+        can be written this early)."""
         if tid < WARP_SIZE:
             t0, t1, t2, t3 = tag
             while ptx.words_hold_sentinel(t0, t1, t2, t3):  # lanes >= tp loaded zeros

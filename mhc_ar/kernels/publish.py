@@ -133,6 +133,10 @@ class PublishKernel:
             token = index // spec.num_vectors
             vector = index - token * spec.num_vectors
             element_offset = Int64(token) * hidden + Int64(vector) * VECTOR_ELEMS
+            # The thread of the token's first vector also publishes its call tag: the fingerprint's
+            # loads go out first, so their latency hides under the data path's.
+            tag_thread = vector == 0
+            coefficients = self._tag_coefficients(post, comb, token, tag_thread)
             if cutlass.const_expr(self.finalize):
                 words = self._finalize_contribution(source, gemm2, weights, routes, token, vector, element_offset)
             else:
@@ -145,8 +149,8 @@ class PublishKernel:
             row = ((Int64(generation) * spec.tp + Int64(rank)) * spec.capacity + Int64(token)) * row_elems(hidden) * BF16_BYTES
             peers = (peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7)
             self._store_everywhere(peers, multicast, row + Int64(vector) * (VECTOR_ELEMS * BF16_BYTES), (w0, w1, w2, w3))
-            if vector == 0:
-                tag = self._call_tag(post, comb, token, sequence, num_tokens, rank)
+            if tag_thread:
+                tag = self._call_tag(coefficients, sequence, num_tokens, rank)
                 self._store_everywhere(peers, multicast, row + tag_byte_offset(hidden), tag)
 
     def _store_everywhere(self, peers, multicast, offset, words):
@@ -158,19 +162,23 @@ class PublishKernel:
             for peer in range(self.spec.tp):
                 ptx.st_global_v4(peers[peer] + offset, *words)
 
-    def _call_tag(self, post, comb, token, sequence, num_tokens, rank):
-        """The token's call tag (mhc_ar.protocol.call_tag): sequence, M, fingerprint of the
-        token's post and comb bits, and op | rank | layout."""
-        spec = self.spec
-        hc = spec.hc
+    def _tag_coefficients(self, post, comb, token, tag_thread):
+        """The bits of the token's post [hc] and comb [hc, hc] (zeros off the tag thread)."""
+        hc = self.spec.hc
         row = Int64(token)
         addresses = [post + (row * hc + t) * _F32_BYTES for t in range(hc)]
         addresses += [comb + (row * hc * hc + i) * _F32_BYTES for i in range(hc * hc)]
+        return [ptx.ld_global_u32(address, tag_thread) for address in addresses]
+
+    def _call_tag(self, coefficients, sequence, num_tokens, rank):
+        """The token's call tag (mhc_ar.protocol.call_tag): sequence, M, fingerprint of the
+        token's post and comb bits, and op | rank | layout."""
+        spec = self.spec
         total = Uint32(0)
-        for i, address in enumerate(addresses):
-            total = ptx.mad_lo_u32(ptx.ld_global_u32(address), Uint32(fingerprint_multiplier(i)), total)
+        for i, bits in enumerate(coefficients):
+            total = ptx.mad_lo_u32(bits, Uint32(fingerprint_multiplier(i)), total)
         folded = (total ^ (total >> TAG_FIELD_BITS)) & Uint32(TAG_FIELD_MASK)
-        layout = layout_id(spec.hidden_size, spec.tp, spec.capacity, hc)
+        layout = layout_id(spec.hidden_size, spec.tp, spec.capacity, spec.hc)
         fixed = int(self.finalize) | (layout << TAG_LAYOUT_SHIFT)
         op_rank_layout = Uint32(fixed) | (Uint32(rank) << TAG_RANK_SHIFT)
         return tuple(ptx.pack_tag_field(Uint32(v)) for v in (sequence, num_tokens, folded, op_rank_layout))
