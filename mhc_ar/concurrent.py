@@ -47,6 +47,11 @@ class ConcurrentRanks:
         self.device = _device(device)
         self.tp_size = tp_size
         self.streams = [torch.cuda.Stream(self.device) for _ in range(tp_size)]
+        # The sleep kernel of `delay`, loaded now: CUDA loads kernels lazily, and a first load
+        # while a consumer spins for a peer the host has yet to launch can wait for that spin.
+        with torch.cuda.device(self.device):
+            torch.cuda._sleep(1)
+            torch.cuda.synchronize(self.device)
         self._instances: list[tuple[InstanceGrid, int]] = []  # (grids, max_num_tokens)
         self._footprints: list = []
         properties = torch.cuda.get_device_properties(self.device)

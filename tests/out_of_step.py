@@ -99,8 +99,9 @@ def prepare(rank: int, steps, device, tree):
     return prepared
 
 
-def launch_all(op, rank: int, prepared, stream_context):
-    """Every call of this rank, no host sync between them; returns what to check per call."""
+def launch_all(op, rank: int, prepared, stream_context, start: float):
+    """Every call of this rank, no host sync between them; returns what to check per call, and
+    False if a launch itself failed (the CUDA context is gone)."""
     launched = []
     for k, action, c, inputs, outputs, ref in prepared:
         with stream_context():
@@ -111,11 +112,20 @@ def launch_all(op, rank: int, prepared, stream_context):
                     print(f"rank {rank} call {k}: rejected: {error}", flush=True)
                     continue
                 raise AssertionError("the misaligned x was not rejected")
-            call_rank(op, c, inputs, rank, outputs)
+            try:
+                call_rank(op, c, inputs, rank, outputs)
+            except RuntimeError as error:  # a trap surfaced at a launch
+                print(f"rank {rank} ERROR at call {k} after {time.perf_counter() - start:.2f} s: (launch) {_first_line(error)}", flush=True)
+                return launched, False
             done = torch.cuda.Event()
             done.record()
         launched.append((k, outputs, ref, done))
-    return launched
+    return launched, True
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def check_all(rank: int, launched, start: float, last: bool = True) -> bool:
@@ -129,8 +139,7 @@ def check_all(rank: int, launched, start: float, last: bool = True) -> bool:
                 if mismatch is not None and problem is None:
                     problem = mismatch.describe()
         except Exception as error:  # a trap: the CUDA context is gone
-            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            print(f"rank {rank} ERROR at call {k} after {time.perf_counter() - start:.2f} s: {first}", flush=True)
+            print(f"rank {rank} ERROR at call {k} after {time.perf_counter() - start:.2f} s: {_first_line(error)}", flush=True)
             return False
         print(f"rank {rank} call {k}: " + ("ok" if problem is None else f"WRONG {problem}"), flush=True)
     if last:
@@ -152,13 +161,33 @@ def run_streams(scenario: str, mode: str) -> None:
     # Call 0 is in step on every rank: run and check it first, then everything else at once.
     for part in (slice(0, 1), slice(1, None)):
         start = time.perf_counter()
-        launched = [launch_all(ops[r], r, prepared[r][part], lambda r=r: ranks.on(r)) for r in range(TP)]
+        launched = []
+        for r in range(TP):
+            calls, ok = launch_all(ops[r], r, prepared[r][part], lambda r=r: ranks.on(r), start)
+            if not ok:
+                return
+            launched.append(calls)
         for r in range(TP):
             if not check_all(r, launched[r], start, last=part.start == 1):
                 return
 
 
 def ipc_worker(rank: int, scenario: str, mode: str, mailboxes, barrier) -> None:
+    """One rank's process. It leaves without tearing down CUDA, whatever happened: after a trap,
+    freeing resources (the IPC mappings of the parent's mailboxes among them) is not worth
+    waiting for."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(20, file=sys.stdout)  # where a hung rank waits, before the parent kills it
+    try:
+        _ipc_rank(rank, scenario, mode, mailboxes, barrier)
+    except BaseException as error:  # printed, so the test shows it; the process still leaves
+        print(f"rank {rank} EXCEPTION {type(error).__name__}: {_first_line(error)}", flush=True)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _ipc_rank(rank: int, scenario: str, mode: str, mailboxes, barrier) -> None:
     import contextlib
 
     os.environ.update(MULTICAST_OFF_ENV)
@@ -181,14 +210,9 @@ def ipc_worker(rank: int, scenario: str, mode: str, mailboxes, barrier) -> None:
     barrier.wait()
     for part in (slice(0, 1), slice(1, None)):  # call 0 (in step) first, as run_streams does
         start = time.perf_counter()
-        launched = launch_all(op, rank, prepared[part], contextlib.nullcontext)
-        if not check_all(rank, launched, start, last=part.start == 1):
+        launched, ok = launch_all(op, rank, prepared[part], contextlib.nullcontext, start)
+        if not ok or not check_all(rank, launched, start, last=part.start == 1):
             break
-    # Leave without tearing down CUDA: after a trap, freeing resources (the IPC mappings of the
-    # parent's mailboxes among them) is not worth waiting for. (Session 10 saw the IPC check
-    # scenarios outlast their 90 s limit; whether here is not yet measured.)
-    sys.stdout.flush()
-    os._exit(0)
 
 
 def run_ipc(scenario: str, mode: str) -> None:

@@ -163,6 +163,7 @@ class ConsumerKernel:
         smem = SmemAllocator()
         warp_sums = smem.allocate_tensor(Float32, cute.make_layout((tiling.warps_per_cta,)), byte_alignment=16)
         cluster_sums = smem.allocate_tensor(Float32, cute.make_layout((clusters,)), byte_alignment=16)
+        shared_generation = smem.allocate_tensor(Uint32, cute.make_layout((1,)), byte_alignment=4)
         if cutlass.const_expr(self.has_norm and clusters > 1):
             # Every CTA of the cluster must have started before any writes into its shared
             # memory; the matching wait sits right before the first remote store.
@@ -178,12 +179,8 @@ class ConsumerKernel:
 
         # PDL: nothing a preceding kernel wrote (mailbox, generation, inputs) is read before this.
         cute.arch.griddepcontrol_wait()
-        state_address = state.iterator.toint()
-        generation = Int64(ptx.ld_volatile_u32(state_address + CONSUME_GENERATION * STATE_WORD_BYTES))
-        cute.arch.griddepcontrol_launch_dependents()
-        deadline = ptx.deadline_after(spec.spin_timeout_ns)
-
-        # Per-token mix coefficients (the same for every thread of the token).
+        # Per-token mix coefficients (the same for every thread of the token), loaded first so
+        # their latency overlaps the generation's.
         row = Int64(token)
         post_t = [ptx.ld_global_f32(post + (row * hc + t) * _F32_BYTES) for t in range(hc)]
         comb_st = [
@@ -192,6 +189,16 @@ class ConsumerKernel:
         pre_t = []
         if cutlass.const_expr(self.has_norm):
             pre_t = [ptx.ld_global_f32(pre + (row * hc + t) * _F32_BYTES) for t in range(hc)]
+
+        # One load per CTA, shared (as in the publish: one per warp would queue many thousands of
+        # requests for one line of one L2 slice at large M).
+        state_address = state.iterator.toint()
+        if tid == 0:
+            shared_generation[0] = ptx.ld_volatile_u32(state_address + CONSUME_GENERATION * STATE_WORD_BYTES)
+        cute.arch.sync_threads()
+        generation = Int64(shared_generation[0])
+        cute.arch.griddepcontrol_launch_dependents()
+        deadline = ptx.deadline_after(spec.spin_timeout_ns)
 
         row_bytes = row_elems(hidden) * BF16_BYTES  # mailbox[g, r, m] -> mailbox[g, r, m+1]
         rank_stride = Int64(spec.capacity * row_bytes)  # mailbox[g, r] -> mailbox[g, r+1]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+from cutlass.memory import SmemAllocator
 from cutlass import Float32, Int32, Int64, Uint32
 
 from .. import ptx
@@ -22,6 +23,7 @@ from ..protocol import (
     MAX_TP,
     PUBLISH_GENERATION,
     STATE_WORD_BYTES,
+    STATE_WORDS,
     TAG_FIELD_BITS,
     TAG_FIELD_MASK,
     TAG_LAYOUT_SHIFT,
@@ -116,16 +118,24 @@ class PublishKernel:
         hidden = spec.hidden_size
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
+        shared_state = SmemAllocator().allocate_tensor(Uint32, cute.make_layout((STATE_WORDS,)), byte_alignment=16)
         # PDL: nothing the preceding kernel wrote (x, expert outputs, the generation) is read
         # before this wait.
         cute.arch.griddepcontrol_wait()
+        # The state words, read by one thread per CTA and shared: every thread of the grid needs
+        # them, and one load per warp would queue tens of thousands of requests for one line of
+        # one L2 slice at large M.
         state_address = state.iterator.toint()
-        generation = Int32(ptx.ld_volatile_u32(state_address + PUBLISH_GENERATION * STATE_WORD_BYTES))
-        sequence = ptx.ld_volatile_u32(state_address + CALL_SEQUENCE * STATE_WORD_BYTES)
-        sequence = (sequence + Uint32(rejected)) & Uint32(TAG_FIELD_MASK)
-        if bid == 0 and tid == 0:
-            # Tell this call's consumer which generation to read (see mhc_ar.protocol).
-            ptx.st_global_u32(state_address + CONSUME_GENERATION * STATE_WORD_BYTES, Uint32(generation))
+        if tid == 0:
+            words = ptx.ld_volatile_v4(state_address)  # the STATE_WORDS words, 16 bytes
+            for w in cutlass.range_constexpr(STATE_WORDS):
+                shared_state[w] = words[w]
+            if bid == 0:
+                # Tell this call's consumer which generation to read (see mhc_ar.protocol).
+                ptx.st_global_u32(state_address + CONSUME_GENERATION * STATE_WORD_BYTES, words[PUBLISH_GENERATION])
+        cute.arch.sync_threads()
+        generation = Int32(shared_state[PUBLISH_GENERATION])
+        sequence = (shared_state[CALL_SEQUENCE] + Uint32(rejected)) & Uint32(TAG_FIELD_MASK)
         cute.arch.griddepcontrol_launch_dependents()
 
         index = bid * spec.threads_per_cta + tid
