@@ -212,8 +212,8 @@ class _Engine:
 
     def publish(self, endpoint: RankEndpoint, launch: _Launch, tokens: int, finalize: bool, rejected: int = 0) -> None:
         """The publish alone; `rejected`: this rank's calls rejected since its last launch."""
-        post, comb = launch.mix[1], launch.mix[2]
-        self._publish[finalize](*launch.contribution, post, comb, *endpoint.publish_arguments, tokens, rejected)
+        post = launch.mix[1]
+        self._publish[finalize](*launch.contribution, post, *endpoint.publish_arguments, tokens, rejected)
 
     def consume(self, endpoint: RankEndpoint, launch: _Launch, eps: float, tokens: int) -> None:
         self._consume(endpoint.mailbox_address, endpoint.state, *launch.mix, *launch.outputs, eps, tokens)

@@ -66,7 +66,7 @@ def _fake_state():
 def compile_publish(spec: PublishSpec, arch: str | None = None, keep_ptx: bool = False) -> CompiledKernel:
     zero = Int64(0)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    addresses = [zero] * 6 + [_fake_state()] + [zero] * 9  # source..comb, state, 8 peers, multicast
+    addresses = [zero] * 5 + [_fake_state()] + [zero] * 9  # source..post, state, 8 peers, multicast
     function = cute.compile(
         PublishKernel(spec), *addresses, Int32(0), Int32(1), Int32(0), stream, options=_options(arch, keep_ptx)
     )

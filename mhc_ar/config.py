@@ -189,7 +189,7 @@ class PublishSpec:
     contribution: Contribution
     top_k: int
     multicast: bool
-    hc: int  # the call tag's fingerprint reads each token's post [hc] and comb [hc, hc]
+    hc: int  # the call tag's fingerprint reads each token's post [hc]
     threads_per_cta: int = PUBLISH_THREADS
 
     def __post_init__(self):

@@ -22,7 +22,7 @@ aside) and with the slot it came from, and traps on any difference. The sequence
 *attempts*: a call rejected with ValueError counts (the host passes the number of rejected
 attempts since its last launch), so a rank whose call was refused alone is one behind in the
 sequence, not only in the data. The fingerprint covers what the sequence cannot see (a rank that
-never made a call): post and comb are replicated across TP ranks and differ from layer to layer.
+never made a call): post is replicated across TP ranks and differs from layer to layer.
 
 Generation state (int32 words in device memory, advanced by the kernels so CUDA graph replay
 works; choosing the generation on the host would freeze it into the graph):
@@ -69,7 +69,7 @@ TAG_FIELD_MASK = (1 << TAG_FIELD_BITS) - 1
 TAG_OP_BITS, TAG_RANK_SHIFT, TAG_RANK_BITS, TAG_LAYOUT_SHIFT = 1, 1, 3, 4
 TAG_RANK_MASK = ((1 << TAG_RANK_BITS) - 1) << TAG_RANK_SHIFT
 TAG_LAYOUT_BITS = TAG_FIELD_BITS - TAG_LAYOUT_SHIFT
-# Fingerprint of a token's post [hc] and comb [hc, hc] fp32 words: sum of word_i * multiplier_i
+# Fingerprint of a token's post [hc] fp32 words: sum of word_i * multiplier_i
 # mod 2^32 (each multiplier odd, so a change of any one word changes the sum), folded to 30 bits.
 FINGERPRINT_MULTIPLIER = 0x9E3779B1
 
@@ -121,7 +121,7 @@ def fold_fingerprint(total: int) -> int:
 
 
 def fingerprint(words) -> int:
-    """Fingerprint of a token's coefficient words (post[0..hc-1], then comb row-major), as ints."""
+    """Fingerprint of a token's post words (post[0..hc-1]), as ints."""
     total = sum(int(w) * fingerprint_multiplier(i) for i, w in enumerate(words))
     return fold_fingerprint(total)
 

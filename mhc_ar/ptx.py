@@ -199,10 +199,18 @@ def unpack_tag_field(word: Uint32, *, loc=None, ip=None) -> Uint32:
 
 
 @dsl_user_op
-def mad_lo_u32(a: Uint32, b: Uint32, c: Uint32, *, loc=None, ip=None) -> Uint32:
-    """a * b + c mod 2^32 (the call tag's fingerprint)."""
-    ops = _ir([Uint32(a), Uint32(b), Uint32(c)], loc, ip)
-    return Uint32(_asm(T.i32(), ops, "mad.lo.u32 $0, $1, $2, $3;", "=r,r,r,r", side_effects=False, loc=loc, ip=ip))
+def mul_lo_u32(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
+    """a * b mod 2^32 (a term of the call tag's fingerprint)."""
+    ops = _ir([Uint32(a), Uint32(b)], loc, ip)
+    return Uint32(_asm(T.i32(), ops, "mul.lo.u32 $0, $1, $2;", "=r,r,r", side_effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def add_u32(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
+    """a + b mod 2^32. Inline, so the compiler keeps the fingerprint's sum the balanced tree it is
+    written as (a serial chain of 20 dependent steps would delay the tag store)."""
+    ops = _ir([Uint32(a), Uint32(b)], loc, ip)
+    return Uint32(_asm(T.i32(), ops, "add.u32 $0, $1, $2;", "=r,r,r", side_effects=False, loc=loc, ip=ip))
 
 
 # --------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.gpu
 
 def test_call_tags_in_the_mailbox_are_the_specified_words():
     """What each publish writes after a token's values: mhc_ar.protocol.call_tag of (sequence
-    incl. rejected calls, M, fingerprint of that token's post and comb bits, op, rank, layout),
+    incl. rejected calls, M, fingerprint of that token's post bits, op, rank, layout),
     computed here on the host from the input bits."""
     tp, hidden, hc, capacity, m = 3, 4096, 4, 16, 5
     op = EmulatedAllReduceMHC(tp_size=tp, hidden_size=hidden, hc_mult=hc, max_num_tokens=capacity, top_k=2)
@@ -42,14 +42,13 @@ def test_call_tags_in_the_mailbox_are_the_specified_words():
             engine.publish(endpoint, launch, m, finalize, rejected)
         torch.cuda.synchronize()
         post_bits = mix.post.contiguous().view(torch.int32).cpu().tolist()
-        comb_bits = mix.comb.contiguous().view(torch.int32).reshape(m, hc * hc).cpu().tolist()
         layout = layout_id(hidden, tp, capacity, hc)
         offset = tag_byte_offset(hidden) // 2
         for owner, endpoint in enumerate(op.endpoints):
             tags = endpoint.mailbox[0, :, :m, offset:offset + 8].contiguous().view(torch.int32).cpu()
             for r in range(tp):
                 for t in range(m):
-                    words = [w & 0xFFFFFFFF for w in post_bits[t] + comb_bits[t]]
+                    words = [w & 0xFFFFFFFF for w in post_bits[t]]
                     want = call_tag(rejected, m, fingerprint(words), finalize, r, layout)
                     got = tuple(w & 0xFFFFFFFF for w in tags[r, t].tolist())
                     assert got == want, f"mailbox of rank {owner}, slot {r}, token {t}: {got} != {want}"

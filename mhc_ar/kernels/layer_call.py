@@ -62,7 +62,7 @@ class PublishThenConsume:
         stream,
     ):
         peers = (peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7)
-        contribution = (source, gemm2, weights, routes, post, comb)
+        contribution = (source, gemm2, weights, routes, post)
         self.publish(*contribution, state, *peers, multicast, rank, num_tokens, rejected, stream)
         outputs = (new_residual, layer_input, mx_values, mx_scales)
         self.consumer(mailbox, state, residual, post, comb, pre, norm_weight, *outputs, eps, num_tokens, stream)
@@ -113,7 +113,7 @@ class PublishThenConsumeTensors:
     ):
         num_tokens = Int32(source.shape[0])
         peers = (peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7)
-        contribution = (_address(source), _address(gemm2), _address(weights), _address(routes), _address(post), _address(comb))
+        contribution = (_address(source), _address(gemm2), _address(weights), _address(routes), _address(post))
         self.publish(*contribution, state, *peers, multicast, rank, num_tokens, rejected, stream)
         mix = (_address(residual), _address(post), _address(comb), _address(pre), _address(norm_weight))
         outputs = (_address(new_residual), _address(layer_input), Int64(0), Int64(0))

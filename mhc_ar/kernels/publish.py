@@ -46,7 +46,7 @@ class PublishKernel:
     gemm2       gemm2_permuted [rows, H] bf16 (finalize)
     weights     expert_weights [M, top_k] fp32 (finalize)
     routes      expanded_idx_to_permuted_idx [M, top_k] int32, -1 = no such expert here
-    post, comb  [M, hc] and [M, hc, hc] fp32: only their bits, for the call tag's fingerprint
+    post        [M, hc] fp32: only its bits, for the call tag's fingerprint
     state       this rank's protocol state, int32 [STATE_WORDS] tensor (mhc_ar.protocol); also
                 tells TVM-FFI which device and stream to launch on
     peer0..7    mailbox base of ranks 0..tp-1 (unicast/emulated)
@@ -67,7 +67,6 @@ class PublishKernel:
         weights: Int64,
         routes: Int64,
         post: Int64,
-        comb: Int64,
         state: cute.Tensor,
         peer0: Int64,
         peer1: Int64,
@@ -86,7 +85,7 @@ class PublishKernel:
         threads = self.spec.threads_per_cta
         blocks = (num_tokens * self.spec.num_vectors + (threads - 1)) // threads
         peers = (peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7)
-        contribution = (source, gemm2, weights, routes, post, comb)
+        contribution = (source, gemm2, weights, routes, post)
         self.kernel(*contribution, state, *peers, multicast, rank, num_tokens, rejected).launch(
             grid=[blocks, 1, 1], block=[threads, 1, 1], stream=stream, use_pdl=True
         )
@@ -99,7 +98,6 @@ class PublishKernel:
         weights: Int64,
         routes: Int64,
         post: Int64,
-        comb: Int64,
         state: cute.Tensor,
         peer0: Int64,
         peer1: Int64,
@@ -146,7 +144,7 @@ class PublishKernel:
             # The thread of the token's first vector also publishes its call tag: the fingerprint's
             # loads go out first, so their latency hides under the data path's.
             tag_thread = vector == 0
-            coefficients = self._tag_coefficients(post, comb, token, tag_thread)
+            coefficients = self._tag_coefficients(post, token, tag_thread)
             if cutlass.const_expr(self.finalize):
                 words = self._finalize_contribution(source, gemm2, weights, routes, token, vector, element_offset)
             else:
@@ -172,21 +170,25 @@ class PublishKernel:
             for peer in range(self.spec.tp):
                 ptx.st_global_v4(peers[peer] + offset, *words)
 
-    def _tag_coefficients(self, post, comb, token, tag_thread):
-        """The bits of the token's post [hc] and comb [hc, hc] (zeros off the tag thread)."""
+    def _tag_coefficients(self, post, token, tag_thread):
+        """The bits of the token's post [hc] (zeros off the tag thread). Only post: it differs
+        from layer to layer as comb does, and hc registers held through the data load (not
+        hc + hc^2) keep the publish at full occupancy."""
         hc = self.spec.hc
         row = Int64(token)
-        addresses = [post + (row * hc + t) * _F32_BYTES for t in range(hc)]
-        addresses += [comb + (row * hc * hc + i) * _F32_BYTES for i in range(hc * hc)]
-        return [ptx.ld_global_u32(address, tag_thread) for address in addresses]
+        return [ptx.ld_global_u32(post + (row * hc + t) * _F32_BYTES, tag_thread) for t in range(hc)]
 
     def _call_tag(self, coefficients, sequence, num_tokens, rank):
         """The token's call tag (mhc_ar.protocol.call_tag): sequence, M, fingerprint of the
-        token's post and comb bits, and op | rank | layout."""
+        token's post bits, and op | rank | layout."""
         spec = self.spec
-        total = Uint32(0)
-        for i, bits in enumerate(coefficients):
-            total = ptx.mad_lo_u32(bits, Uint32(fingerprint_multiplier(i)), total)
+        # The sum of word_i * multiplier_i mod 2^32 (any order gives the same sum), as a
+        # balanced tree: a few dependent steps after the loads, not one per coefficient.
+        terms = [ptx.mul_lo_u32(bits, Uint32(fingerprint_multiplier(i))) for i, bits in enumerate(coefficients)]
+        while len(terms) > 1:
+            pairs = [ptx.add_u32(terms[j], terms[j + 1]) for j in range(0, len(terms) - 1, 2)]
+            terms = pairs + terms[len(terms) - len(terms) % 2 :]
+        total = terms[0]
         folded = (total ^ (total >> TAG_FIELD_BITS)) & Uint32(TAG_FIELD_MASK)
         layout = layout_id(spec.hidden_size, spec.tp, spec.capacity, spec.hc)
         fixed = int(self.finalize) | (layout << TAG_LAYOUT_SHIFT)
