@@ -2,18 +2,24 @@
 
     python tests/out_of_step.py SCENARIO MODE TRANSPORT
 
-SCENARIO: reject (rank 1's call 1 is rejected, an alignment check only it fails; then three
-valid calls on every rank), m_differs (call 1: rank 0 M=5, rank 1 M=7), skip (rank 1 never makes
-call 1), op_differs (call 1: rank 0 calls, rank 1 finalizes).
+Calls 0 (call) and 1 (finalize) are in step on every rank and checked before the rest: every
+kernel is then loaded (CUDA loads kernels lazily, and a first load while a consumer spins can
+wait for that spin). From call 2 (a call; they alternate with finalize), per SCENARIO: reject
+(rank 1's call 2 is rejected, an alignment check only it fails; then three valid calls on every
+rank), m_differs (call 2: rank 0 M=5, rank 1 M=7), skip (rank 1 never makes call 2),
+op_differs (call 2: rank 0 calls, rank 1 finalizes).
 MODE: check (the production consumer) or nocheck (the diagnostic build without the call-tag
 comparison: what the protocol did before it).
 TRANSPORT: streams (mhc_ar.concurrent: two virtual ranks on their own streams, one process) or
 ipc (two processes sharing the GPU through CUDA IPC mailboxes).
 
-Every rank launches all its calls with no host synchronization between them, then waits for
-each call in turn and compares its outputs with the reference of the call it made. Lines:
+Every rank launches all its calls with no host synchronization between them, each followed on
+its stream by a copy of its outputs into pinned host memory, then waits. Each call whose copy
+arrived is compared with the reference of the call that rank made, whether or not the CUDA
+context failed later (so what is printed does not depend on when a trap comes); the first call
+whose outputs never arrived is the one the error is reported at. Lines:
     rank R call K: ok | WRONG <first difference> | rejected: <ValueError>
-    rank R ERROR at call K after S s: <CUDA error>
+    rank R ERROR at call K after S s: <CUDA error>   (S: when the host saw the error)
     rank R DONE
 """
 
@@ -37,9 +43,11 @@ from reference import ReductionTree, all_reduce_mhc  # noqa: E402
 
 TP, HIDDEN, HC, TOP_K, CAPACITY, M = 2, 4096, 4, 4, 8, 3
 SPIN_TIMEOUT_S = 2.0
-CALLS = 5
+CALLS = 6
+IN_STEP = 2  # calls 0 (call) and 1 (finalize): every kernel launched once, checked, before the rest
 # The first call at which the ranks' sequences differ, per scenario.
-FIRST_OUT_OF_STEP = {"reject": 1, "m_differs": 1, "skip": 1, "op_differs": 1}
+FIRST_OUT_OF_STEP = {"reject": IN_STEP, "m_differs": IN_STEP, "skip": IN_STEP, "op_differs": IN_STEP}
+UNWRITTEN = 0x7FA1  # bf16 bits the host copies start as (neither the poison nor a kernel NaN)
 
 
 def case(k: int, m: int = M, op: Contribution = Contribution.CALL) -> Case:
@@ -54,7 +62,7 @@ def plan(scenario: str, rank: int) -> list[tuple[int, str, Case]]:
     for k in range(CALLS):
         c = case(k, op=Contribution.FINALIZE if k % 2 else Contribution.CALL)
         action = "call"
-        if k == 1 and rank == 1:
+        if k == IN_STEP and rank == 1:
             if scenario == "reject":
                 action = "reject"
             elif scenario == "skip":
@@ -63,7 +71,7 @@ def plan(scenario: str, rank: int) -> list[tuple[int, str, Case]]:
                 c = case(k, m=7, op=c.op)
             elif scenario == "op_differs":
                 c = case(k, op=Contribution.CALL if c.op is Contribution.FINALIZE else Contribution.FINALIZE)
-        elif k == 1 and rank == 0 and scenario == "m_differs":
+        elif k == IN_STEP and rank == 0 and scenario == "m_differs":
             c = case(k, m=5, op=c.op)
         steps.append((k, action, c))
     return steps
@@ -95,7 +103,8 @@ def prepare(rank: int, steps, device, tree):
                 own.x = misaligned(own.x)
             else:
                 own.shared_output = misaligned(own.shared_output)
-        prepared.append((k, action, c, inputs, poisoned_outputs(c, device), ref))
+        host = {name: torch.full(want.shape, UNWRITTEN, dtype=torch.int16).view(torch.bfloat16).pin_memory() for name, want in ref.items()}
+        prepared.append((k, action, c, inputs, poisoned_outputs(c, device), ref, host))
     return prepared
 
 
@@ -103,7 +112,7 @@ def launch_all(op, rank: int, prepared, stream_context, start: float):
     """Every call of this rank, no host sync between them; returns what to check per call, and
     False if a launch itself failed (the CUDA context is gone)."""
     launched = []
-    for k, action, c, inputs, outputs, ref in prepared:
+    for k, action, c, inputs, outputs, ref, host in prepared:
         with stream_context():
             if action == "reject":
                 try:
@@ -117,9 +126,11 @@ def launch_all(op, rank: int, prepared, stream_context, start: float):
             except RuntimeError as error:  # a trap surfaced at a launch
                 print(f"rank {rank} ERROR at call {k} after {time.perf_counter() - start:.2f} s: (launch) {_first_line(error)}", flush=True)
                 return launched, False
+            for name, copy in host.items():  # queued behind the call on this rank's stream
+                copy.copy_(getattr(outputs, name)[rank], non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-        launched.append((k, outputs, ref, done))
+        launched.append((k, host, ref, done))
     return launched, True
 
 
@@ -129,22 +140,35 @@ def _first_line(error: BaseException) -> str:
 
 
 def check_all(rank: int, launched, start: float, last: bool = True) -> bool:
-    """Wait for each call and compare; False once the CUDA context has failed."""
-    for k, outputs, ref, done in launched:
+    """Wait for the calls, then compare every call whose outputs reached the host; False once
+    the CUDA context has failed."""
+    failure = None  # (seconds, message) when the host saw the context fail
+    for _, _, _, done in launched:
         try:
             done.synchronize()
-            problem = None
-            for name, want in ref.items():
-                mismatch = first_mismatch(want, getattr(outputs, name)[rank].cpu(), output=name, rank=rank)
-                if mismatch is not None and problem is None:
-                    problem = mismatch.describe()
         except Exception as error:  # a trap: the CUDA context is gone
-            print(f"rank {rank} ERROR at call {k} after {time.perf_counter() - start:.2f} s: {_first_line(error)}", flush=True)
+            failure = (time.perf_counter() - start, _first_line(error))
+            break
+    for k, host, ref, _ in launched:
+        if failure is not None and all(_unwritten(copy) for copy in host.values()):
+            print(f"rank {rank} ERROR at call {k} after {failure[0]:.2f} s: {failure[1]}", flush=True)
             return False
+        problem = None
+        for name, want in ref.items():
+            mismatch = first_mismatch(want, host[name], output=name, rank=rank)
+            if mismatch is not None and problem is None:
+                problem = mismatch.describe()
         print(f"rank {rank} call {k}: " + ("ok" if problem is None else f"WRONG {problem}"), flush=True)
+    if failure is not None:  # every call of this rank had finished: a peer's call failed
+        print(f"rank {rank} ERROR after its last call, {failure[0]:.2f} s: {failure[1]}", flush=True)
+        return False
     if last:
         print(f"rank {rank} DONE", flush=True)
     return True
+
+
+def _unwritten(copy: torch.Tensor) -> bool:
+    return bool((copy.view(torch.int16) == UNWRITTEN).all())
 
 
 def run_streams(scenario: str, mode: str) -> None:
@@ -158,8 +182,8 @@ def run_streams(scenario: str, mode: str) -> None:
     tree = ReductionTree(**ops[0].consumer_tiling.reduction_tree_args())
     prepared = [prepare(r, plan(scenario, r), device, tree) for r in range(TP)]
     torch.cuda.synchronize(device)
-    # Call 0 is in step on every rank: run and check it first, then everything else at once.
-    for part in (slice(0, 1), slice(1, None)):
+    # The in-step calls first (run and checked), then everything else at once.
+    for part in (slice(0, IN_STEP), slice(IN_STEP, None)):
         start = time.perf_counter()
         launched = []
         for r in range(TP):
@@ -168,7 +192,7 @@ def run_streams(scenario: str, mode: str) -> None:
                 return
             launched.append(calls)
         for r in range(TP):
-            if not check_all(r, launched[r], start, last=part.start == 1):
+            if not check_all(r, launched[r], start, last=part.start == IN_STEP):
                 return
 
 
@@ -208,10 +232,10 @@ def _ipc_rank(rank: int, scenario: str, mode: str, mailboxes, barrier) -> None:
     prepared = prepare(rank, plan(scenario, rank), device, tree)
     torch.cuda.synchronize(device)
     barrier.wait()
-    for part in (slice(0, 1), slice(1, None)):  # call 0 (in step) first, as run_streams does
+    for part in (slice(0, IN_STEP), slice(IN_STEP, None)):  # the in-step calls first, as run_streams does
         start = time.perf_counter()
         launched, ok = launch_all(op, rank, prepared[part], contextlib.nullcontext, start)
-        if not ok or not check_all(rank, launched, start, last=part.start == 1):
+        if not ok or not check_all(rank, launched, start, last=part.start == IN_STEP):
             break
 
 
