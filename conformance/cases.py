@@ -228,45 +228,13 @@ def assigned_family(tp: int, hidden: int, hc: int, m: int, op: Contribution, var
 Shape = tuple  # (tp, hidden, hc, m, op, variant)
 
 
-def _full_shapes() -> list[tuple[Shape, Family]]:
-    shapes = itertools.product(TP_SIZES, HIDDEN_SIZES, HC_VALUES, TOKEN_COUNTS, OPS, VARIANTS)
-    return [(shape, assigned_family(*shape)) for shape in shapes]
-
-
-def _default_shapes() -> list[tuple[Shape, Family]]:
-    shapes = []
-    stride = len(TOKEN_COUNTS) // DEFAULT_M_PER_COMBINATION
-    combinations = itertools.product(TP_SIZES, HIDDEN_SIZES, HC_VALUES, OPS, VARIANTS)
-    for c, (tp, hidden, hc, op, variant) in enumerate(combinations):
-        for k in range(DEFAULT_M_PER_COMBINATION):
-            m = TOKEN_COUNTS[(c + stride * k) % len(TOKEN_COUNTS)]
-            shape = (tp, hidden, hc, m, op, variant)
-            shapes.append((shape, assigned_family(*shape)))
-    return shapes
-
-
-def _quick_shapes() -> list[tuple[Shape, Family]]:
-    """Families cycle with a skip every 7 cases (i + 5 * (i // 7)): a plain cycle of 6 would
-    line up with the 2 x 3 x 2 inner loops and give each variant only two families. With the
-    skip, each TP, hidden, hc, op and variant value meets every family (tests check it)."""
-    shapes = []
-    combinations = itertools.product(TP_SIZES, OPS, VARIANTS, QUICK_HIDDEN_SIZES)
-    for i, (tp, op, variant, hidden) in enumerate(combinations):
-        hc = HC_VALUES[(i + i // len(QUICK_HIDDEN_SIZES)) % len(HC_VALUES)]
-        # 5 is coprime with len(TOKEN_COUNTS): M walks through every count, small and large mixed.
-        m = TOKEN_COUNTS[(5 * i) % len(TOKEN_COUNTS)]
-        family = FAMILIES[(i + 5 * (i // 7)) % len(FAMILIES)]
-        shapes.append(((tp, hidden, hc, m, op, variant), family))
-    return shapes
-
-
-_PRESET_SHAPES = {Preset.QUICK: _quick_shapes, Preset.DEFAULT: _default_shapes, Preset.FULL: _full_shapes}
-
-
 @dataclass(frozen=True)
 class Filters:
-    """Axis filters (None: no filter). `family`: None keeps each shape's assigned family; a
-    list crosses every shape with those families (all of FAMILIES for --family all)."""
+    """The axes a run is restricted to (None: the preset's). An axis given replaces the
+    preset's values on that axis: the run takes every given value crossed with the preset's
+    choices on the axes not given (so values the preset lacks, e.g. tp=3 or H=1000, run too).
+    `family`: None keeps each shape's assigned family; a list crosses every shape with those
+    families (all of FAMILIES for --family all)."""
 
     tp: tuple[int, ...] | None = None
     hidden: tuple[int, ...] | None = None
@@ -284,21 +252,90 @@ class Filters:
                 out[name] = [v.value if isinstance(v, enum.Enum) else v for v in value]
         return out
 
-    def admits(self, shape: Shape) -> bool:
-        tp, hidden, hc, m, op, variant = shape
-        checks = ((self.tp, tp), (self.hidden, hidden), (self.hc, hc), (self.m, m), (self.op, op), (self.variant, variant))
-        return all(allowed is None or value in allowed for allowed, value in checks)
+    def validate(self) -> None:
+        """A ValueError naming the option and its rule for any value no case can have."""
+        rules = (
+            ("tp", lambda v: 1 <= v <= MAX_TP_SIZE, f"TP sizes are 1..{MAX_TP_SIZE}"),
+            ("hidden", lambda v: v > 0 and v % 8 == 0, "hidden sizes are positive multiples of 8"),
+            ("hc", lambda v: 1 <= v <= MAX_HC_VALUE, f"hc is 1..{MAX_HC_VALUE}"),
+            ("m", lambda v: 1 <= v <= CAPACITY, f"M is 1..{CAPACITY} (the capacity of the run's instances)"),
+        )
+        for name, ok, rule in rules:
+            for value in getattr(self, name) or ():
+                if not ok(value):
+                    raise ValueError(f"--{name} {value}: {rule}")
+        if self.variant is not None and Variant.MXFP8 in self.variant:
+            for hidden in self.hidden or ():
+                if hidden % 128:
+                    raise ValueError(f"--hidden {hidden} with --variant mxfp8: the mxfp8 variant needs hidden % 128 == 0")
+
+    def axes(self, tp, hidden, hc, ops, variants) -> tuple:
+        """The preset's axes with the given ones in their place."""
+        return (self.tp or tp, self.hidden or hidden, self.hc or hc, self.op or ops, self.variant or variants)
+
+
+MAX_TP_SIZE = 8
+MAX_HC_VALUE = 8
+
+
+def _full_shapes(filters: Filters) -> list[Shape]:
+    tps, hiddens, hcs, ops, variants = filters.axes(TP_SIZES, HIDDEN_SIZES, HC_VALUES, OPS, VARIANTS)
+    return list(itertools.product(tps, hiddens, hcs, filters.m or TOKEN_COUNTS, ops, variants))
+
+
+def _index(values_and_axes) -> int:
+    """Mixed-radix index of a combination by each value's position on its preset axis: the
+    enumeration index for the preset's own values, a stable one for values it lacks."""
+    index = 0
+    for value, axis in values_and_axes:
+        index = index * len(axis) + _position(value, axis)
+    return index
+
+
+def _default_shapes(filters: Filters) -> list[Shape]:
+    shapes = []
+    stride = len(TOKEN_COUNTS) // DEFAULT_M_PER_COMBINATION
+    for tp, hidden, hc, op, variant in itertools.product(*filters.axes(TP_SIZES, HIDDEN_SIZES, HC_VALUES, OPS, VARIANTS)):
+        c = _index(((tp, TP_SIZES), (hidden, HIDDEN_SIZES), (hc, HC_VALUES), (op, OPS), (variant, VARIANTS)))
+        ms = filters.m or [TOKEN_COUNTS[(c + stride * k) % len(TOKEN_COUNTS)] for k in range(DEFAULT_M_PER_COMBINATION)]
+        shapes += [(tp, hidden, hc, m, op, variant) for m in ms]
+    return shapes
+
+
+def _quick_shapes(filters: Filters) -> list[tuple[Shape, Family]]:
+    """Families cycle with a skip every 7 cases (i + 5 * (i // 7)): a plain cycle of 6 would
+    line up with the 2 x 3 x 2 inner loops and give each variant only two families. With the
+    skip, each TP, hidden, hc, op and variant value meets every family (tests check it)."""
+    shapes = []
+    tps, hiddens, _, ops, variants = filters.axes(TP_SIZES, QUICK_HIDDEN_SIZES, HC_VALUES, OPS, VARIANTS)
+    for tp, op, variant, hidden in itertools.product(tps, ops, variants, hiddens):
+        i = _index(((tp, TP_SIZES), (op, OPS), (variant, VARIANTS), (hidden, QUICK_HIDDEN_SIZES)))
+        hcs = filters.hc or (HC_VALUES[(i + i // len(QUICK_HIDDEN_SIZES)) % len(HC_VALUES)],)
+        # 5 is coprime with len(TOKEN_COUNTS): M walks through every count, small and large mixed.
+        ms = filters.m or (TOKEN_COUNTS[(5 * i) % len(TOKEN_COUNTS)],)
+        family = FAMILIES[(i + 5 * (i // 7)) % len(FAMILIES)]
+        shapes += [((tp, hidden, hc, m, op, variant), family) for hc in hcs for m in ms]
+    return shapes
+
+
+def _preset_shapes(preset: Preset, filters: Filters) -> list[tuple[Shape, Family]]:
+    if preset is Preset.QUICK:
+        return _quick_shapes(filters)
+    shapes = _full_shapes(filters) if preset is Preset.FULL else _default_shapes(filters)
+    return [(shape, assigned_family(*shape)) for shape in shapes]
 
 
 def preset_cases(preset: Preset | str, filters: Filters = Filters(), *, seed_offset: int = 0) -> list[Case]:
-    """The cases of a preset that pass the filters, in matrix order, ids unique."""
+    """The cases of a preset on the filters' axes, in matrix order, ids unique. Shapes the
+    mxfp8 variant cannot take (hidden % 128) are left out when the variant axis is the preset's
+    (Filters.validate refuses them when it is given)."""
     preset = Preset(preset)
     cases: dict[str, Case] = {}
-    for shape, assigned in _PRESET_SHAPES[preset]():
-        if not filters.admits(shape):
+    for shape, assigned in _preset_shapes(preset, filters):
+        tp, hidden, hc, m, op, variant = shape
+        if Variant(variant) is Variant.MXFP8 and hidden % 128:
             continue
         families = filters.family if filters.family is not None else (assigned,)
-        tp, hidden, hc, m, op, variant = shape
         for family in families:
             case = Case(tp=tp, hidden=hidden, hc=hc, m=m, op=op, variant=variant, family=family, seed_offset=seed_offset)
             cases.setdefault(case.id, case)
@@ -315,9 +352,11 @@ def cases_from_ids(ids: Iterable[str], *, seed_offset: int = 0) -> list[Case]:
 
 def parse_list(text: str, convert, name: str) -> tuple:
     """A comma list from the command line, each item converted (ValueError naming the option)."""
-    items = [item.strip() for item in text.split(",") if item.strip()]
-    if not items:
+    items = [item.strip() for item in text.split(",")]
+    if not any(items):
         raise ValueError(f"--{name}: empty list")
+    if not all(items):
+        raise ValueError(f"--{name}: empty item in {text!r}")
     out = []
     for item in items:
         try:

@@ -3,19 +3,19 @@
     mhc-ar-conformance run [--quick | --full] [--tp 1,2] [--hidden 4096] [--hc 4] [--m 1,129]
                            [--variant full,mxfp8,residual_only] [--op call,finalize]
                            [--family normal,...|all] [--case ID[,ID...]] [--out reports]
-                           [--run-id ID] [--seed-offset N] [--list]
+                           [--run-id ID [--overwrite]] [--seed-offset N] [--require-gpu] [--list]
     mhc-ar-conformance repro BUNDLE [--reference-only]
     mhc-ar-conformance measure-rsqrt --out PATH ...   (conformance.rsqrt_measure)
     mhc-ar-conformance bench ...                      (conformance.bench)
 
-Exit status of run: 0 if everything that ran matched and every check passed (cases not run
-for lack of a GPU do not fail), 1 on any mismatch, error or failed check, 2 on bad usage.
+Exit status of run (RUN_EXIT_STATUS below, also in --help and README).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -23,6 +23,20 @@ from typing import Sequence
 from mhc_ar.config import Contribution, Variant
 
 from .cases import Filters, Preset, parse_families, parse_list
+from .report import EXIT_FAIL, EXIT_NOT_VERIFIED, EXIT_PASS, EXIT_USAGE
+
+RUN_EXIT_STATUS = f"""\
+verdict and exit status:
+  PASS          kernel cases ran, and everything that ran matched and passed: exit {EXIT_PASS}
+  FAIL          a mismatch, an error (a GPU that is visible but does not initialize is one) or a
+                failed check: exit {EXIT_FAIL}
+  NOT VERIFIED  no kernel case ran (no GPU, --device cpu) and nothing failed: exit {EXIT_PASS}, or
+                exit {EXIT_NOT_VERIFIED} with --require-gpu (what a CI gate passes)
+  bad usage (an option out of range, a device that is not there, an unwritable --out, a reused
+  --run-id): one line on stderr, nothing written, exit {EXIT_USAGE}
+axes: --tp, --hidden, --hc, --m, --variant and --op replace the preset's values on their axis;
+  the run crosses them with the preset's choices on the axes not given (values the preset
+  lacks, e.g. --tp 3 --hidden 1000, run too)."""
 
 # Subcommands whose module lives elsewhere in the package and parses its own arguments:
 # name -> (module with main(argv) -> exit code, one-line help).
@@ -56,6 +70,8 @@ def _filters(args) -> Filters:
 def _cmd_run(args) -> int:
     from .run import RunOptions, execute, select_cases
 
+    from .run import parse_device, run_folder
+
     preset = Preset.QUICK if args.quick else Preset.FULL if args.full else Preset.DEFAULT
     try:
         options = RunOptions(
@@ -72,16 +88,23 @@ def _cmd_run(args) -> int:
             max_bundles=args.max_bundles,
             case_timeout_s=args.case_timeout or None,
             progress=not args.no_progress,
+            require_gpu=args.require_gpu,
+            overwrite=args.overwrite,
         )
+        options.filters.validate()
         label, cases = select_cases(options)
+        if args.list:
+            for case in cases:
+                print(case.id)
+            print(f"{len(cases)} cases ({label})")
+            return EXIT_PASS
+        device = parse_device(options.device)
+        if args.require_gpu and device is not None and device.type == "cpu":
+            raise ValueError("--require-gpu with --device cpu: no kernel case could run")
+        run_folder(options, label)
     except ValueError as error:
         print(f"mhc-ar-conformance run: {error}", file=sys.stderr)
-        return 2
-    if args.list:
-        for case in cases:
-            print(case.id)
-        print(f"{len(cases)} cases ({label})")
-        return 0
+        return EXIT_USAGE
     report = execute(options)
     run_dir = Path(options.out) / report.run_id
     print(report.summary_line())
@@ -131,7 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", required=True)
 
-    run = subparsers.add_parser("run", help="run the case matrix, write reports/<run-id>/")
+    run = subparsers.add_parser(
+        "run",
+        help="run the case matrix, write reports/<run-id>/",
+        epilog=RUN_EXIT_STATUS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     size = run.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="a small covering subset (~50 cases) for CI")
     size.add_argument("--full", action="store_true", help="the complete matrix (3456 cases)")
@@ -151,7 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--case", action="append", help="run exactly these case ids (comma list; repeatable)")
     run.add_argument("--out", default="reports", help="report directory (default: reports)")
-    run.add_argument("--run-id", help="name of the run's subdirectory (default: time and preset)")
+    run.add_argument("--run-id", help="name of the run's subdirectory (default: time and preset); an existing one is refused")
+    run.add_argument("--overwrite", action="store_true", help="replace the folder of an existing --run-id")
+    run.add_argument("--require-gpu", action="store_true",
+                     help=f"no kernel case run (NOT VERIFIED) exits {EXIT_NOT_VERIFIED}: for CI gates")
     run.add_argument("--seed-offset", type=int, default=0, help="added to every case's id-derived seed")
     run.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda if available)")
     run.add_argument("--max-reference-m", type=int, default=16, help="reference-vs-float64 checks for cases with M <= this")
@@ -177,10 +208,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in EXTENSIONS:
-        return _call_extension(argv[0], argv[1:])
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        if argv and argv[0] in EXTENSIONS:
+            return _call_extension(argv[0], argv[1:])
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except BrokenPipeError:
+        # The reader left (`run --list | head`): no traceback, and none at interpreter exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PASS
 
 
 if __name__ == "__main__":

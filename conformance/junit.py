@@ -1,7 +1,9 @@
 """junit.xml for CI dashboards: one testcase per case, per compiled kernel and per reference check.
 
 A mismatch is a <failure> (first difference and repro command), an exception an <error>, a
-case that was not run (no GPU) a <skipped>.
+case that was not run (no GPU) a <skipped>. The suite conformance.verdict holds one testcase, the
+run's verdict: it passes on PASS, fails on FAIL, and on NOT VERIFIED (no kernel case ran) is
+skipped, or fails under --require-gpu; its properties carry the verdict and the exit status.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from .report import RunReport
+from .report import RunReport, Verdict
 from .runner import Status
 
 
@@ -28,6 +30,7 @@ def _testcase(suite: ET.Element, classname: str, name: str, seconds: float) -> E
 
 def build_junit(report: RunReport) -> ET.ElementTree:
     root = ET.Element("testsuites", name="mhc-ar-conformance")
+    _verdict_suite(root, report)
     cases = ET.SubElement(root, "testsuite", name=f"conformance.cases.{report.preset}")
     counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
     for result in report.cases:
@@ -79,6 +82,27 @@ def build_junit(report: RunReport) -> ET.ElementTree:
             counts["failures"] += 1
     reference.attrib.update({k: str(v) for k, v in counts.items()})
     return ET.ElementTree(root)
+
+
+def _verdict_suite(root: ET.Element, report: RunReport) -> None:
+    suite = ET.SubElement(root, "testsuite", name="conformance.verdict")
+    properties = ET.SubElement(suite, "properties")
+    for name, value in (("verdict", report.verdict.label), ("exit_code", report.exit_code), ("require_gpu", report.require_gpu)):
+        ET.SubElement(properties, "property", name=name, value=str(value))
+    element = _testcase(suite, "conformance.verdict", "verdict", report.timings.get("total_s", 0.0))
+    counts = {"tests": 1, "failures": 0, "errors": 0, "skipped": 0}
+    summary = _text(report.summary_line())
+    if report.verdict is Verdict.FAIL:
+        ET.SubElement(element, "failure", message=summary, type="fail")
+        counts["failures"] = 1
+    elif report.verdict is Verdict.NOT_VERIFIED:
+        if report.require_gpu:
+            ET.SubElement(element, "failure", message=summary, type="not_verified")
+            counts["failures"] = 1
+        else:
+            ET.SubElement(element, "skipped", message=summary)
+            counts["skipped"] = 1
+    suite.attrib.update({k: str(v) for k, v in counts.items()})
 
 
 def write_junit(report: RunReport, path) -> Path:

@@ -10,6 +10,7 @@ conformance.plots, which the bench report uses too).
 
 from __future__ import annotations
 
+import enum
 import html
 import json
 import math
@@ -25,6 +26,25 @@ from .ptx_contract import KernelContract
 from .reference_checks import ULP_BOUND, ReferenceCheck
 from .runner import CaseResult, Status
 from .schema import RESULTS_SCHEMA_VERSION
+
+
+# Exit status of `mhc-ar-conformance run` (documented in its --help and in README).
+EXIT_PASS = 0  # no mismatch, error or failed check (the verdict says PASS, or NOT VERIFIED without --require-gpu)
+EXIT_FAIL = 1  # a mismatch, an error or a failed check
+EXIT_USAGE = 2  # bad usage: nothing ran
+EXIT_NOT_VERIFIED = 3  # --require-gpu, and no kernel case ran
+
+
+class Verdict(str, enum.Enum):
+    """What a run verified: PASS needs at least one kernel case run and equal to the reference."""
+
+    PASS = "pass"
+    FAIL = "fail"
+    NOT_VERIFIED = "not_verified"
+
+    @property
+    def label(self) -> str:
+        return self.value.replace("_", " ").upper()
 
 
 @dataclass
@@ -44,6 +64,8 @@ class RunReport:
     # Filled by `mhc-ar-conformance bench`: {"latency_us": {series label: [[M, microseconds], ...]}}
     # is drawn as a latency-vs-M plot; the rest is kept in results.json as it is.
     bench: dict | None = None
+    # --require-gpu: a run in which no kernel case ran exits EXIT_NOT_VERIFIED.
+    require_gpu: bool = False
 
     def case_counts(self) -> dict[str, int]:
         counts = {s.value: 0 for s in Status}
@@ -58,13 +80,32 @@ class RunReport:
         return _tally((c.status for c in self.reference_checks), ("pass", "fail", "error"))
 
     @property
-    def exit_code(self) -> int:
-        """0 only if everything that ran matched and every check passed (not run is no failure)."""
+    def verdict(self) -> Verdict:
+        """FAIL on any mismatch, error or failed check; otherwise NOT VERIFIED unless at least one
+        kernel case ran (and, as everything that ran, matched); otherwise PASS."""
         cases = self.case_counts()
         bad = cases["mismatch"] + cases["error"]
         bad += sum(v for k, v in self.compile_counts().items() if k in ("fail", "error"))
         bad += sum(v for k, v in self.reference_counts().items() if k in ("fail", "error"))
-        return 1 if bad else 0
+        if bad:
+            return Verdict.FAIL
+        return Verdict.PASS if cases["pass"] else Verdict.NOT_VERIFIED
+
+    @property
+    def exit_code(self) -> int:
+        verdict = self.verdict
+        if verdict is Verdict.FAIL:
+            return EXIT_FAIL
+        if verdict is Verdict.NOT_VERIFIED and self.require_gpu:
+            return EXIT_NOT_VERIFIED
+        return EXIT_PASS
+
+    def not_verified_reason(self) -> str:
+        """Why no kernel case ran (the reasons of the cases not run), for the summary line."""
+        reasons = sorted({r.reason or "not run" for r in self.cases if r.status is Status.NOT_RUN})
+        if not self.cases:
+            return "no case selected"
+        return "; ".join(reasons) if reasons else "no kernel case ran"
 
     def to_dict(self) -> dict:
         return _json_safe(
@@ -84,6 +125,8 @@ class RunReport:
                     "compile_checks": self.compile_counts(),
                     "reference_checks": self.reference_counts(),
                 },
+                "status": self.verdict.value,
+                "require_gpu": self.require_gpu,
                 "exit_code": self.exit_code,
                 "cases": [r.to_dict() for r in self.cases],
                 "compile_checks": [c.to_dict() for c in self.compile_checks],
@@ -96,13 +139,15 @@ class RunReport:
         c = self.case_counts()
         k = self.compile_counts()
         r = self.reference_counts()
-        verdict = "PASS" if self.exit_code == 0 else "FAIL"
-        return (
-            f"{verdict} mhc-ar conformance {self.run_id} ({self.preset}, {self.mode}): {c['total']} cases: "
+        line = (
+            f"{self.verdict.label} mhc-ar conformance {self.run_id} ({self.preset}, {self.mode}): {c['total']} cases: "
             f"{c['pass']} pass, {c['mismatch']} mismatch, {c['error']} error, {c['not_run']} not run | "
             f"PTX contract {k['pass']}/{k['total']} kernels | reference vs float64 {r['pass']}/{r['total']} | "
             f"{self.timings.get('total_s', 0.0):.1f} s"
         )
+        if self.verdict is Verdict.NOT_VERIFIED:
+            line += f" | no kernel case ran ({self.not_verified_reason()})"
+        return line
 
 
 def _tally(statuses: Iterable[str], keys: Sequence[str]) -> dict[str, int]:
@@ -143,6 +188,7 @@ th{background:#f3f3f3;font-weight:600} td.num{text-align:right}
 .partial{background:#f6e7b0} .empty{background:#fff}
 .badge{display:inline-block;padding:3px 10px;border-radius:10px;margin-right:6px;font-weight:600}
 .verdict{font-size:1.1em;padding:4px 14px}
+.unverified{background:#f6c26b;color:#4a2c00} .unverified-note{background:#fff4de;border-left:4px solid #f6a623;padding:6px 10px}
 code,pre{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12.5px}
 pre{background:#f7f7f7;padding:6px;overflow-x:auto;max-height:20em}
 details{margin:.3em 0} summary{cursor:pointer}
@@ -175,14 +221,18 @@ def _header(report: RunReport) -> str:
     c = report.case_counts()
     k = report.compile_counts()
     r = report.reference_counts()
-    ok = report.exit_code == 0
+    verdict = report.verdict
+    css = {Verdict.PASS: "pass", Verdict.FAIL: "fail", Verdict.NOT_VERIFIED: "unverified"}[verdict]
     gpu = report.environment.get("gpu")
     where = f"GPU: {gpu['name']} (sm {gpu['capability']})" if gpu else "no GPU: kernels compiled and PTX-checked, not run"
     parts = [
         f"<h1>mhc-ar conformance: run {_e(report.run_id)}</h1>",
-        f'<p><span class="badge verdict {"pass" if ok else "fail"}">{"PASS" if ok else "FAIL"}</span>'
+        f'<p><span class="badge verdict {css}">{verdict.label}</span>'
         f" preset <b>{_e(report.preset)}</b>, {_e(where)}, total {report.timings.get('total_s', 0.0):.1f} s,"
         f" started {_e(report.started_at)}</p>",
+        *([f'<p class="unverified-note">NOT VERIFIED: no kernel case ran ({_e(report.not_verified_reason())}). '
+           "Nothing here says the kernels are right; run on a GPU (with --require-gpu in CI).</p>"]
+          if verdict is Verdict.NOT_VERIFIED else []),
         "<p>",
         _badge("pass", c["pass"], "pass"),
         _badge("mismatch", c["mismatch"], "fail" if c["mismatch"] else "empty"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -26,7 +27,17 @@ from .junit import write_junit
 from .ptx_contract import check_compiled_variants
 from .reference_checks import check_reference, reference_check_cases
 from .report import RunReport, write_html, write_results_json
-from .runner import CaseRun, EmulatedKernelBackend, KernelBackend, Status, Watchdog, flashinfer_mxfp8, not_run, run_cases
+from .runner import (
+    CaseRun,
+    EmulatedKernelBackend,
+    KernelBackend,
+    Status,
+    Watchdog,
+    errored,
+    flashinfer_mxfp8,
+    not_run,
+    run_cases,
+)
 
 DEFAULT_MAX_BUNDLES = 20  # a systematic bug must not fill the disk with GBs of bundles
 DEFAULT_CASE_TIMEOUT_S = 300.0  # includes the first compile of a new kernel instance
@@ -49,6 +60,75 @@ class RunOptions:
     max_bundles: int = DEFAULT_MAX_BUNDLES
     case_timeout_s: float | None = DEFAULT_CASE_TIMEOUT_S
     progress: bool = True
+    require_gpu: bool = False  # no kernel case run: exit EXIT_NOT_VERIFIED instead of 0
+    overwrite: bool = False  # replace an existing run folder of the same run id
+
+
+def parse_device(text: str | None) -> torch.device | None:
+    """--device: None (cuda if it initializes), cpu, cuda or cuda:N (N a visible CUDA device);
+    a ValueError with the rule otherwise, before anything runs."""
+    if text is None:
+        return None
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device {text}: expected cpu, cuda or cuda:N") from None
+    if device.type == "cpu":
+        if device.index is not None:
+            raise ValueError(f"--device {text}: the CPU takes no index (use cpu)")
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"--device {text}: expected cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {text}: CUDA is not available here ({_cuda_unavailable_reason()})")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {text}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    return device
+
+
+def visible_gpus() -> list[str]:
+    """The NVIDIA GPUs the operating system shows (device nodes), whether or not CUDA
+    initializes on them; none when CUDA_VISIBLE_DEVICES hides every device."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return []
+    return sorted(str(p) for p in Path("/dev").glob("nvidia[0-9]*"))
+
+
+def _cuda_unavailable_reason() -> str:
+    if not torch.backends.cuda.is_built():
+        return f"this torch ({torch.__version__}) is built without CUDA"
+    try:
+        torch.cuda.init()
+    except Exception as error:
+        return str(error).strip().splitlines()[0]
+    return "no CUDA device"
+
+
+def run_folder(options: RunOptions, preset: str) -> Path:
+    """The run's folder, checked before anything runs: its parent must be creatable and
+    writable, and an existing folder of the same run id is refused unless options.overwrite.
+    Creates nothing."""
+    out = Path(options.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: exists and is not a directory")
+    existing = out
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: not writable ({existing} does not let this user create files)")
+    if options.run_id is not None:
+        if not options.run_id or "/" in options.run_id or options.run_id in (".", ".."):
+            raise ValueError(f"--run-id {options.run_id!r}: a run id is one folder name")
+        folder = out / options.run_id
+        if folder.exists() and any(folder.iterdir()) and not options.overwrite:
+            raise ValueError(f"--run-id {options.run_id}: {folder} already holds a run; pass --overwrite to replace it")
+        return folder
+    base = default_run_id(preset)
+    folder, n = out / base, 1
+    while folder.exists():  # two runs in the same second
+        n += 1
+        folder = out / f"{base}-{n}"
+    return folder
 
 
 def select_cases(options: RunOptions) -> tuple[str, list[Case]]:
@@ -110,8 +190,11 @@ def execute(options: RunOptions, *, backend: KernelBackend | None = None) -> Run
     start = time.perf_counter()
     started_at = _now()
     preset, cases = select_cases(options)
-    run_id = options.run_id or default_run_id(preset)
-    run_dir = Path(options.out) / run_id
+    requested = parse_device(options.device) if backend is None else None
+    run_dir = run_folder(options, preset)
+    run_id = run_dir.name
+    if run_dir.exists():  # options.overwrite: nothing of the earlier run stays
+        shutil.rmtree(run_dir)
     (run_dir / "bundles").mkdir(parents=True, exist_ok=True)
     # Under torchrun (several processes), real TP: this process is one rank, rank 0 reports.
     world = None
@@ -121,7 +204,11 @@ def execute(options: RunOptions, *, backend: KernelBackend | None = None) -> Run
     elif backend is not None:
         device = torch.device(backend.device)
     else:
-        device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = requested or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # A GPU the system shows but CUDA cannot use is an error of every case, never "not run".
+    broken_gpu = None
+    if backend is None and requested is None and device.type == "cpu" and visible_gpus():
+        broken_gpu = f"a GPU is visible ({', '.join(visible_gpus())}) but CUDA does not initialize: {_cuda_unavailable_reason()}"
     writer = world is None or backend.rank == 0
     mode = "gpu" if device.type == "cuda" else "cpu"
     report = RunReport(
@@ -134,6 +221,7 @@ def execute(options: RunOptions, *, backend: KernelBackend | None = None) -> Run
         finished_at=started_at,
         environment=collect_environment(device),
         timings={"total_s": 0.0, "compile_s": 0.0, "reference_checks_s": 0.0, "cases_s": 0.0},
+        require_gpu=options.require_gpu,
     )
     if options.case_ids:
         report.filters = {"case": list(options.case_ids)}
@@ -164,7 +252,9 @@ def execute(options: RunOptions, *, backend: KernelBackend | None = None) -> Run
     t = time.perf_counter()
     if backend is None and mode == "gpu":
         backend = EmulatedKernelBackend(device)
-    if backend is None:
+    if broken_gpu is not None:
+        report.cases = [errored(case, broken_gpu) for case in cases]
+    elif backend is None:
         reason = "not run: no GPU" if not torch.cuda.is_available() else f"not run: --device {device}"
         report.cases = [not_run(case, reason) for case in cases]
     elif world is not None:
@@ -264,4 +354,4 @@ def _run_with_bundles(cases, backend, options: RunOptions, run_dir: Path, report
             close()
 
 
-__all__ = ["Progress", "RunOptions", "default_run_id", "execute", "select_cases"]
+__all__ = ["Progress", "RunOptions", "default_run_id", "execute", "parse_device", "run_folder", "select_cases", "visible_gpus"]

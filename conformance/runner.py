@@ -422,6 +422,11 @@ def not_run(case: Case, reason: str) -> CaseResult:
     return CaseResult(case, Status.NOT_RUN, reason=reason)
 
 
+def errored(case: Case, error: str) -> CaseResult:
+    """A case that could not run for a reason that is a failure (a GPU CUDA cannot use)."""
+    return CaseResult(case, Status.ERROR, error=error)
+
+
 # ----- many cases ---------------------------------------------------------------------------------
 
 
@@ -491,6 +496,7 @@ __all__ = [
     "Status",
     "Watchdog",
     "compare_outputs",
+    "errored",
     "expected_outputs",
     "flashinfer_mxfp8",
     "not_run",

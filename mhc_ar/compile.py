@@ -42,20 +42,23 @@ class CompiledKernel:
         return self.function.__ptx__
 
 
-def _options(arch: str | None, keep_ptx: bool) -> str:
+def _options(arch: str | None, dump_dir: str | None) -> str:
     options = ["--enable-tvm-ffi"]
     if arch is not None:
         options.append(f"--gpu-arch={arch}")
-    if keep_ptx:
-        # The DSL also writes the PTX and cubin to files: keep them out of the working directory.
+    if dump_dir is not None:
         # The cubin serves the co-residency bound (mhc_ar.residency: the driver's occupancy).
-        options += ["--keep-ptx", "--keep-cubin", f"--dump-dir={_dump_dir()}"]
+        options += ["--keep-ptx", "--keep-cubin", f"--dump-dir={dump_dir}"]
     return " ".join(options)
 
 
-@functools.cache
-def _dump_dir() -> str:
-    return tempfile.mkdtemp(prefix="mhc_ar_ptx_")
+def _compile(kernel, *arguments, arch: str | None, keep_ptx: bool):
+    """cute.compile; with keep_ptx the DSL writes the PTX and cubin to files and reads them back
+    into the compiled function (__ptx__, __cubin__): in a folder of its own, removed after."""
+    if not keep_ptx:
+        return cute.compile(kernel, *arguments, options=_options(arch, None))
+    with tempfile.TemporaryDirectory(prefix="mhc_ar_ptx_") as folder:
+        return cute.compile(kernel, *arguments, options=_options(arch, folder))
 
 
 def _fake_state():
@@ -67,8 +70,8 @@ def compile_publish(spec: PublishSpec, arch: str | None = None, keep_ptx: bool =
     zero = Int64(0)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     addresses = [zero] * 5 + [_fake_state()] + [zero] * 9  # source..post, state, 8 peers, multicast
-    function = cute.compile(
-        PublishKernel(spec), *addresses, Int32(0), Int32(1), Int32(0), stream, options=_options(arch, keep_ptx)
+    function = _compile(
+        PublishKernel(spec), *addresses, Int32(0), Int32(1), Int32(0), stream, arch=arch, keep_ptx=keep_ptx
     )
     return CompiledKernel(publish_name(spec), spec, arch, function)
 
@@ -77,7 +80,7 @@ def compile_publish(spec: PublishSpec, arch: str | None = None, keep_ptx: bool =
 def compile_consumer(spec: ConsumerSpec, arch: str | None = None, keep_ptx: bool = False) -> CompiledKernel:
     zero = Int64(0)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    function = cute.compile(
+    function = _compile(
         ConsumerKernel(spec),
         zero,
         _fake_state(),
@@ -85,7 +88,7 @@ def compile_consumer(spec: ConsumerSpec, arch: str | None = None, keep_ptx: bool
         Float32(1e-6),
         Int32(1),
         stream,
-        options=_options(arch, keep_ptx),
+        arch=arch, keep_ptx=keep_ptx,
     )
     return CompiledKernel(consumer_name(spec), spec, arch, function)
 
@@ -97,7 +100,7 @@ def compile_publish_then_consume(
     """Both kernels behind one host function (one launch call per eager AllReduceMHC call)."""
     zero = Int64(0)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    function = cute.compile(
+    function = _compile(
         PublishThenConsume(publish, consumer),
         _fake_state(),
         *([zero] * 9),  # 8 peers, multicast
@@ -107,7 +110,7 @@ def compile_publish_then_consume(
         Int32(1),  # num_tokens
         Int32(0),  # rejected
         stream,
-        options=_options(arch, keep_ptx),
+        arch=arch, keep_ptx=keep_ptx,
     )
     return CompiledKernel(f"{publish_name(publish)}+{consumer_name(consumer)}", (publish, consumer), arch, function)
 
@@ -140,7 +143,7 @@ def compile_tensor_launcher(
         _row_major(bf16, (h,)) if layer_input else None,
     )
     outputs = (_row_major(bf16, (m, hc, h)), _row_major(bf16, (m, h)) if layer_input else None)
-    function = cute.compile(
+    function = _compile(
         PublishThenConsumeTensors(publish, consumer),
         _fake_state(),
         *([zero] * 9),  # 8 peers, multicast
@@ -152,7 +155,7 @@ def compile_tensor_launcher(
         Float32(1e-6),
         Int32(0),  # rejected
         make_fake_stream(use_tvm_ffi_env_stream=True),
-        options=_options(arch, keep_ptx),
+        arch=arch, keep_ptx=keep_ptx,
     )
     name = f"{publish_name(publish)}+{consumer_name(consumer)}-from-tensors"
     return CompiledKernel(name, (publish, consumer), arch, function)

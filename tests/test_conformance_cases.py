@@ -142,7 +142,22 @@ def test_filters_select_and_family_crosses():
     assert len(crossed) == len(FAMILIES) * len(plain)
     only_tiny = preset_cases(Preset.QUICK, Filters(family=(Family.TINY,)))
     assert len(only_tiny) == len(preset_cases(Preset.QUICK)) and {c.family for c in only_tiny} == {Family.TINY}
-    assert preset_cases(Preset.QUICK, Filters(hidden=(7168,))) == []
+    # An axis given replaces the preset's: H=7168 is not a quick hidden size, and still runs.
+    off_preset = preset_cases(Preset.QUICK, Filters(hidden=(7168,)))
+    assert len(off_preset) == len(preset_cases(Preset.QUICK)) // 2 and {c.hidden for c in off_preset} == {7168}
+
+
+def test_given_axes_replace_the_presets_and_keep_its_choices_elsewhere():
+    """On-axis values select what the preset has (the same cases, ids and all); the M axis, or
+    values off the preset's axes, are crossed with the preset's choices on the other axes."""
+    default = preset_cases(Preset.DEFAULT)
+    assert preset_cases(Preset.DEFAULT, Filters(tp=(2,))) == [c for c in default if c.tp == 2]
+    crossed = preset_cases(Preset.DEFAULT, Filters(tp=(8,), hidden=(7168,), m=(1, 129)))
+    combinations = {(c.hc, c.op, c.variant) for c in default if c.tp == 8 and c.hidden == 7168}
+    assert len(crossed) == 2 * len(combinations) and {c.m for c in crossed} == {1, 129}
+    odd = preset_cases(Preset.FULL, Filters(tp=(3,), hidden=(1000,)))
+    assert {(c.tp, c.hidden) for c in odd} == {(3, 1000)} and {c.variant for c in odd} == {Variant.FULL, Variant.RESIDUAL_ONLY}
+    assert len(odd) == len(HC_VALUES) * len(TOKEN_COUNTS) * 2 * 2
 
 
 def test_command_line_lists():

@@ -1,0 +1,203 @@
+"""The gate's verdicts and its command line, as a CI engineer drives them: a run that verified
+nothing says NOT VERIFIED (summary line, results.json, JUnit, HTML) and fails under
+--require-gpu; a GPU CUDA cannot use is an error; shapes come from the command line; bad usage
+is one line on stderr, exit 2, and nothing written. On the CPU (kernel cases cannot run here)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+import torch
+
+from conformance import cli
+from conformance import run as run_module
+from conformance.report import EXIT_FAIL, EXIT_NOT_VERIFIED, EXIT_PASS, EXIT_USAGE
+
+# One small selection, fast on the CPU: no compile, no float64 check, no kernel.
+FAST = ["run", "--quick", "--tp", "1", "--op", "call", "--variant", "full", "--no-progress",
+        "--skip-compile-checks", "--skip-reference-checks"]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(capsys, *args):
+    code = cli.main(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _summary(out: str) -> str:
+    return next(line for line in out.splitlines() if "mhc-ar conformance" in line)
+
+
+def test_a_run_that_ran_no_kernel_is_not_verified_everywhere(tmp_path, capsys):
+    code, out, _ = _run(capsys, *FAST, "--out", str(tmp_path), "--run-id", "r", "--device", "cpu")
+    line = _summary(out)
+    print(line)
+    assert code == EXIT_PASS
+    assert line.startswith("NOT VERIFIED mhc-ar conformance r (quick, cpu): ") and "PASS" not in line
+    why = "not run: --device cpu" if torch.cuda.is_available() else "not run: no GPU"
+    assert f"no kernel case ran ({why})" in line
+    results = json.loads((tmp_path / "r" / "results.json").read_text())
+    assert results["status"] == "not_verified" and results["exit_code"] == 0
+    suites = {s.get("name"): s for s in ET.parse(tmp_path / "r" / "junit.xml").getroot().iter("testsuite")}
+    verdict = suites["conformance.verdict"]
+    assert verdict.find("testcase/skipped").get("message").startswith("NOT VERIFIED")
+    assert {p.get("name"): p.get("value") for p in verdict.iter("property")}["verdict"] == "NOT VERIFIED"
+    page = (tmp_path / "r" / "index.html").read_text()
+    assert '<span class="badge verdict unverified">NOT VERIFIED</span>' in page
+    assert 'class="badge verdict pass"' not in page
+
+
+def test_require_gpu_makes_nothing_verified_a_failure_of_its_own(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: kernel cases would run")
+    code, out, _ = _run(capsys, *FAST, "--out", str(tmp_path), "--run-id", "r", "--require-gpu")
+    line = _summary(out)
+    print(code, line)
+    assert code == EXIT_NOT_VERIFIED == 3
+    assert line.startswith("NOT VERIFIED") and "not run: no GPU" in line
+    results = json.loads((tmp_path / "r" / "results.json").read_text())
+    assert results["status"] == "not_verified" and results["require_gpu"] is True and results["exit_code"] == 3
+    verdict = {s.get("name"): s for s in ET.parse(tmp_path / "r" / "junit.xml").getroot().iter("testsuite")}["conformance.verdict"]
+    assert verdict.get("failures") == "1" and verdict.find("testcase/failure").get("type") == "not_verified"
+    code, _, err = _run(capsys, *FAST, "--out", str(tmp_path), "--require-gpu", "--device", "cpu")
+    assert code == EXIT_USAGE and "--require-gpu with --device cpu" in err
+
+
+def test_a_visible_gpu_that_does_not_initialize_is_an_error(tmp_path, capsys, monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA initializes here")
+    monkeypatch.setattr(run_module, "visible_gpus", lambda: ["/dev/nvidia0"])
+    code, out, _ = _run(capsys, *FAST, "--out", str(tmp_path), "--run-id", "r")
+    line = _summary(out)
+    print(code, line)
+    assert code == EXIT_FAIL and line.startswith("FAIL") and " 0 not run " in line
+    results = json.loads((tmp_path / "r" / "results.json").read_text())
+    assert {c["status"] for c in results["cases"]} == {"error"}
+    assert "a GPU is visible (/dev/nvidia0) but CUDA does not initialize" in results["cases"][0]["error"]
+
+
+def test_visible_gpus_follows_cuda_visible_devices(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert run_module.visible_gpus() == []
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert run_module.visible_gpus() == sorted(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def test_shapes_from_the_command_line_are_run_even_off_the_preset(capsys):
+    code, out, _ = _run(capsys, "run", "--tp", "3", "--hidden", "1000", "--hc", "3,5", "--m", "1,7", "--list")
+    ids = out.splitlines()[:-1]
+    print(out.splitlines()[-1])
+    assert code == EXIT_PASS and out.splitlines()[-1] == f"{len(ids)} cases (default)"
+    # 2 hc x 2 M x 2 ops x 2 variants (mxfp8 needs H % 128 == 0: left out when not asked for)
+    assert len(ids) == 16
+    assert {i.split("-")[0] for i in ids} == {"tp3"} and {i.split("-")[1] for i in ids} == {"H1000"}
+    assert {i.split("-")[2] for i in ids} == {"hc3", "hc5"} and {i.split("-")[3] for i in ids} == {"M1", "M7"}
+    assert not [i for i in ids if "-mxfp8-" in i]
+
+
+def test_the_readme_example_runs_every_m_it_names(capsys):
+    code, out, _ = _run(capsys, "run", "--tp", "8", "--hidden", "7168", "--variant", "mxfp8", "--m", "1,129", "--list")
+    ids = out.splitlines()[:-1]
+    assert code == EXIT_PASS
+    assert {i.split("-")[3] for i in ids} == {"M1", "M129"}
+    assert all(i.startswith("tp8-H7168-") and "-mxfp8-" in i for i in ids)
+    assert "--tp 8 --hidden 7168 --variant mxfp8 --m 1,129" in (ROOT / "README.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "option, value, rule",
+    [
+        ("--tp", "0", "--tp 0: TP sizes are 1..8"),
+        ("--tp", "9", "--tp 9: TP sizes are 1..8"),
+        ("--hidden", "7", "--hidden 7: hidden sizes are positive multiples of 8"),
+        ("--m", "0", "--m 0: M is 1..256 (the capacity of the run's instances)"),
+        ("--m", "-1", "--m -1: M is 1..256 (the capacity of the run's instances)"),
+        ("--hc", "9", "--hc 9: hc is 1..8"),
+        ("--m", "1,,2", "--m: empty item in '1,,2'"),
+    ],
+)
+def test_out_of_range_values_get_their_rule_in_one_line(tmp_path, capsys, option, value, rule):
+    out_dir = tmp_path / "reports"
+    code, out, err = _run(capsys, "run", f"{option}={value}", "--out", str(out_dir))
+    print(err.strip())
+    assert code == EXIT_USAGE and err.strip() == f"mhc-ar-conformance run: {rule}" and not out
+    assert not out_dir.exists()
+
+
+def test_mxfp8_with_a_hidden_size_it_cannot_take_is_refused(tmp_path, capsys):
+    code, _, err = _run(capsys, "run", "--variant", "mxfp8", "--hidden", "1000", "--out", str(tmp_path / "x"))
+    assert code == EXIT_USAGE
+    assert err.strip() == "mhc-ar-conformance run: --hidden 1000 with --variant mxfp8: the mxfp8 variant needs hidden % 128 == 0"
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize(
+    "device, message",
+    [
+        ("bogus", "--device bogus: expected cpu, cuda or cuda:N"),
+        ("cpu:3", "--device cpu:3: the CPU takes no index (use cpu)"),
+        ("cuda", "--device cuda: CUDA is not available here"),
+        ("cuda:7", "--device cuda:7: "),
+    ],
+)
+def test_devices_that_are_not_there_are_bad_usage(tmp_path, capsys, device, message):
+    if device.startswith("cuda") and torch.cuda.is_available() and (device == "cuda" or torch.cuda.device_count() > 7):
+        pytest.skip("that CUDA device exists here")
+    out_dir = tmp_path / "reports"
+    code, _, err = _run(capsys, *FAST, "--device", device, "--out", str(out_dir))
+    print(err.strip())
+    assert code == EXIT_USAGE and err.startswith(f"mhc-ar-conformance run: {message}") and len(err.strip().splitlines()) == 1
+    assert not out_dir.exists()
+
+
+def test_an_unwritable_out_is_bad_usage(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    for out_dir, message in ((blocker, "exists and is not a directory"), (blocker / "sub", "not writable")):
+        code, _, err = _run(capsys, *FAST, "--out", str(out_dir))
+        print(err.strip())
+        assert code == EXIT_USAGE and message in err and len(err.strip().splitlines()) == 1
+    assert blocker.read_text() == "not a folder"
+
+
+def test_a_reused_run_id_is_refused_unless_overwrite(tmp_path, capsys):
+    args = [*FAST, "--device", "cpu", "--out", str(tmp_path), "--run-id", "nightly"]
+    assert _run(capsys, *args)[0] == EXIT_PASS
+    (tmp_path / "nightly" / "left-from-before").write_text("x")
+    code, _, err = _run(capsys, *args)
+    print(err.strip())
+    assert code == EXIT_USAGE and "--run-id nightly: " in err and "pass --overwrite to replace it" in err
+    assert (tmp_path / "nightly" / "left-from-before").exists()
+    code, out, _ = _run(capsys, *args, "--overwrite")
+    assert code == EXIT_PASS and _summary(out).startswith("NOT VERIFIED mhc-ar conformance nightly")
+    assert not (tmp_path / "nightly" / "left-from-before").exists() and (tmp_path / "nightly" / "results.json").exists()
+
+
+def test_list_into_a_closed_pipe_is_quiet():
+    command = f"{sys.executable} -m conformance run --full --list | head -1"
+    proc = subprocess.run(["bash", "-c", command + "; echo rc=${PIPESTATUS[0]}"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    print(proc.stdout.strip().splitlines())
+    assert proc.stdout.splitlines()[0].startswith("tp1-H4096-")
+    assert "BrokenPipeError" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "rc=0"
+
+
+def test_compiling_with_ptx_leaves_nothing_in_the_temp_folder():
+    from mhc_ar.compile import compile_consumer
+    from mhc_ar.config import ConsumerSpec, Variant, choose_consumer_tiling
+
+    pattern = os.path.join(tempfile.gettempdir(), "mhc_ar_ptx_*")
+    before = set(glob.glob(pattern))
+    spec = ConsumerSpec(choose_consumer_tiling(1024), hc=2, tp=2, capacity=4, variant=Variant.RESIDUAL_ONLY)
+    compiled = compile_consumer(spec, "sm_90a", keep_ptx=True)
+    assert compiled.ptx and compiled.function.__cubin__
+    assert set(glob.glob(pattern)) == before
