@@ -21,7 +21,7 @@ import torch
 
 from .bundle import bundle_name, write_bundle
 from .distributed import DistributedKernelBackend, init_torchrun, torchrun_world
-from .cases import Case, Filters, Preset, cases_from_ids, preset_cases
+from .cases import FINALIZE_TOP_K, Case, Filters, Preset, cases_from_ids, preset_cases
 from .environment import collect_environment
 from .junit import write_junit
 from .ptx_contract import check_compiled_variants
@@ -129,6 +129,29 @@ def run_folder(options: RunOptions, preset: str) -> Path:
         n += 1
         folder = out / f"{base}-{n}"
     return folder
+
+
+def contract_specs(cases: Sequence[Case]) -> list:
+    """The kernels the PTX contract compiles: every variant of the reference shape
+    (mhc_ar.compile.kernel_variants()), and of the run's own shapes, so that each hidden size,
+    hc and TP size among the selected cases is compiled at least once (the three cycled
+    together, not crossed: a preset's whole product would take an hour on a CPU)."""
+    from mhc_ar.compile import consumer_name, kernel_variants, publish_name
+    from mhc_ar.config import PublishSpec
+
+    def name(spec) -> str:
+        return publish_name(spec) if isinstance(spec, PublishSpec) else consumer_name(spec)
+
+    specs = {name(s): s for s in kernel_variants()}
+    if cases:
+        axes = [sorted({c.hidden for c in cases}), sorted({c.hc for c in cases}), sorted({c.tp for c in cases})]
+        capacity = max(c.capacity for c in cases)
+        top_k = max(c.top_k for c in cases) or FINALIZE_TOP_K
+        for i in range(max(len(axis) for axis in axes)):
+            hidden, hc, tp = (axis[i % len(axis)] for axis in axes)
+            for spec in kernel_variants(hidden_size=hidden, hc=hc, tp=tp, capacity=capacity, top_k=top_k):
+                specs.setdefault(name(spec), spec)
+    return list(specs.values())
 
 
 def select_cases(options: RunOptions) -> tuple[str, list[Case]]:
@@ -271,9 +294,10 @@ def execute(options: RunOptions, *, backend: KernelBackend | None = None) -> Run
     if options.compile_checks and writer:
         t = time.perf_counter()
         archs = list(options.archs) if options.archs else None
-        from mhc_ar.compile import TARGET_ARCHS, kernel_variants
+        from mhc_ar.compile import TARGET_ARCHS
 
-        total = len(archs or TARGET_ARCHS) * len(kernel_variants())
+        specs = contract_specs(cases)
+        total = len(archs or TARGET_ARCHS) * len(specs)
         progress = Progress(total, "compile + PTX contract", options.progress)
 
         def on_compiled(contract):
@@ -282,7 +306,7 @@ def execute(options: RunOptions, *, backend: KernelBackend | None = None) -> Run
                 failed = [c.name for c in contract.checks if not c.passed] or ["compile error"]
                 progress.write(f"FAIL     PTX {contract.arch} {contract.kernel}: {', '.join(failed)}")
 
-        report.compile_checks = check_compiled_variants(archs, ptx_dir=run_dir / "ptx", on_result=on_compiled)
+        report.compile_checks = check_compiled_variants(archs, specs, ptx_dir=run_dir / "ptx", on_result=on_compiled)
         progress.close()
         report.timings["compile_s"] = time.perf_counter() - t
 
@@ -354,4 +378,14 @@ def _run_with_bundles(cases, backend, options: RunOptions, run_dir: Path, report
             close()
 
 
-__all__ = ["Progress", "RunOptions", "default_run_id", "execute", "parse_device", "run_folder", "select_cases", "visible_gpus"]
+__all__ = [
+    "Progress",
+    "RunOptions",
+    "contract_specs",
+    "default_run_id",
+    "execute",
+    "parse_device",
+    "run_folder",
+    "select_cases",
+    "visible_gpus",
+]

@@ -20,7 +20,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from cutlass.cute.typing import sym_int32
 
-from .config import ConsumerSpec, Contribution, PublishSpec, Variant, choose_consumer_tiling
+from .config import MXFP8_BLOCK, ConsumerSpec, Contribution, PublishSpec, Variant, choose_consumer_tiling
 from .kernels.consumer import ConsumerKernel
 from .kernels.layer_call import PublishThenConsume, PublishThenConsumeTensors
 from .kernels.publish import PublishKernel
@@ -177,7 +177,8 @@ def consumer_name(spec: ConsumerSpec) -> str:
 
 
 def kernel_variants(hidden_size: int = 5120, hc: int = 4, tp: int = 8, capacity: int = 128, top_k: int = 8):
-    """Every kernel variant the package builds, for one shape: 4 publish + 3 consumer specs."""
+    """Every kernel variant the package builds, for one shape: 4 publish + 3 consumer specs (2
+    consumers where hidden_size % 128 rules the MXFP8 variant out)."""
     specs: list[PublishSpec | ConsumerSpec] = []
     for contribution in Contribution:
         for multicast in (False, True):
@@ -194,6 +195,8 @@ def kernel_variants(hidden_size: int = 5120, hc: int = 4, tp: int = 8, capacity:
             )
     tiling = choose_consumer_tiling(hidden_size)
     for variant in Variant:
+        if variant is Variant.MXFP8 and hidden_size % (4 * MXFP8_BLOCK):
+            continue
         specs.append(ConsumerSpec(tiling, hc=hc, tp=tp, capacity=capacity, variant=variant))
     return specs
 

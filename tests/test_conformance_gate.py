@@ -201,3 +201,17 @@ def test_compiling_with_ptx_leaves_nothing_in_the_temp_folder():
     compiled = compile_consumer(spec, "sm_90a", keep_ptx=True)
     assert compiled.ptx and compiled.function.__cubin__
     assert set(glob.glob(pattern)) == before
+
+
+def test_the_ptx_contract_compiles_the_shapes_the_run_selected(tmp_path, capsys):
+    args = ["run", "--tp", "3", "--hidden", "1000", "--hc", "3,5", "--m", "1", "--op", "call", "--variant", "full",
+            "--skip-reference-checks", "--no-progress", "--device", "cpu", "--out", str(tmp_path), "--run-id", "r"]
+    code, out, _ = _run(capsys, *args)
+    print(_summary(out))
+    assert code == EXIT_PASS
+    results = json.loads((tmp_path / "r" / "results.json").read_text())
+    kernels = {c["kernel"] for c in results["compile_checks"] if c["status"] == "pass"}
+    for hc in (3, 5):
+        assert f"consumer-full-H1000-hc{hc}-tp3" in kernels and f"publish-call-unicast-H1000-hc{hc}-tp3-k0" in kernels
+    assert "consumer-mxfp8-H5120-hc4-tp8" in kernels  # and the reference shape, every variant
+    assert not [k for k in kernels if "mxfp8-H1000" in k]  # H=1000 cannot take MXFP8
