@@ -71,6 +71,7 @@ def _cmd_run(args) -> int:
     from .run import RunOptions, execute, select_cases
 
     from .run import parse_device, run_folder
+    from .runner import PlantedFlip
 
     preset = Preset.QUICK if args.quick else Preset.FULL if args.full else Preset.DEFAULT
     try:
@@ -90,6 +91,7 @@ def _cmd_run(args) -> int:
             progress=not args.no_progress,
             require_gpu=args.require_gpu,
             overwrite=args.overwrite,
+            plants=tuple(PlantedFlip.parse(text) for text in args.plant or ()),
         )
         options.filters.validate()
         label, cases = select_cases(options)
@@ -99,8 +101,8 @@ def _cmd_run(args) -> int:
             print(f"{len(cases)} cases ({label})")
             return EXIT_PASS
         device = parse_device(options.device)
-        if args.require_gpu and device is not None and device.type == "cpu":
-            raise ValueError("--require-gpu with --device cpu: no kernel case could run")
+        if args.require_gpu and ((device is not None and device.type == "cpu") or options.plants):
+            raise ValueError(f"--require-gpu with {'--plant' if options.plants else '--device cpu'}: no kernel case could run")
         run_folder(options, label)
     except ValueError as error:
         print(f"mhc-ar-conformance run: {error}", file=sys.stderr)
@@ -181,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", default="reports", help="report directory (default: reports)")
     run.add_argument("--run-id", help="name of the run's subdirectory (default: time and preset); an existing one is refused")
     run.add_argument("--overwrite", action="store_true", help="replace the folder of an existing --run-id")
+    run.add_argument("--plant", action="append", metavar="OUTPUT@RANK:INDEX",
+                     help="no kernel: the reference plays it, with the lowest byte of element INDEX of OUTPUT on RANK "
+                          "flipped (repeatable); mismatches and bundles as a kernel bug would give, without a GPU")
     run.add_argument("--require-gpu", action="store_true",
                      help=f"no kernel case run (NOT VERIFIED) exits {EXIT_NOT_VERIFIED}: for CI gates")
     run.add_argument("--seed-offset", type=int, default=0, help="added to every case's id-derived seed")

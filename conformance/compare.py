@@ -17,6 +17,15 @@ import torch
 _INTEGER_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+UE8M0_NAN = 0xFF
+
+
+def ue8m0_value(byte: int) -> float:
+    """The scale a UE8M0 byte stands for: 2^(byte - 127); 0xFF is NaN (OCP MX). The one decoding
+    every report, console line and reproducer uses (reference.explain prints the same)."""
+    return float("nan") if byte == UE8M0_NAN else 2.0 ** (byte - 127)
+
+
 @dataclass(frozen=True)
 class Mismatch:
     """Where two tensors first differ. `index` is the first differing element in row-major
@@ -43,6 +52,12 @@ class Mismatch:
     def hex(self, bits: int) -> str:
         return f"0x{bits:0{self.width}x}"
 
+    def shown(self, value: float, bits: int) -> str:
+        """An element's value as printed: a UE8M0 scale byte decoded (see ue8m0_value)."""
+        if self.output == "mxfp8_scales":
+            return f"{ue8m0_value(bits)!r} = 2^({bits} - 127)" if bits != UE8M0_NAN else "NaN (0xff)"
+        return repr(value)
+
     def describe(self) -> str:
         """One line: what, where, both values."""
         where = self.output or "tensor"
@@ -50,8 +65,9 @@ class Mismatch:
             where += f" rank {self.rank}"
         expected_from = {"reference": "expected", "flashinfer": "flashinfer", "rank0": "rank 0"}.get(self.oracle, self.oracle)
         return (
-            f"{where} index {self.index}: {expected_from} {self.expected_value!r} ({self.hex(self.expected_bits)}), "
-            f"got {self.actual_value!r} ({self.hex(self.actual_bits)}); {self.count} of {self.total} elements differ"
+            f"{where} index {self.index}: {expected_from} {self.shown(self.expected_value, self.expected_bits)} "
+            f"({self.hex(self.expected_bits)}), got {self.shown(self.actual_value, self.actual_bits)} "
+            f"({self.hex(self.actual_bits)}); {self.count} of {self.total} elements differ"
         )
 
     def to_dict(self) -> dict:
@@ -157,4 +173,4 @@ def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, name: str
         raise AssertionError(mismatch.describe())
 
 
-__all__ = ["Mismatch", "assert_bitwise_equal", "check_comparable", "first_mismatch", "integer_view"]
+__all__ = ["Mismatch", "assert_bitwise_equal", "check_comparable", "first_mismatch", "integer_view", "ue8m0_value"]

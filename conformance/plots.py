@@ -60,12 +60,25 @@ def line_plot_svg(series: dict, *, x_label: str, y_label: str, log_x: bool = Fal
 
 
 def _ticks(lo: float, hi: float, log: bool) -> list[float]:
+    """Tick values: on a log axis (lo, hi are exponents) powers of ten, or 1-2-5 steps when
+    fewer than two powers of ten fall in the range, or failing that its two ends and what of
+    1-1.5-2-3-5-7 falls between them."""
     if log:
-        return [10.0**e for e in range(math.floor(lo), math.ceil(hi) + 1) if lo - 1e-9 <= e <= hi + 1e-9] or [10**lo]
+        inside = lambda v: lo - 1e-9 <= math.log10(v) <= hi + 1e-9  # noqa: E731
+        decades = range(math.floor(lo), math.ceil(hi) + 1)
+        ticks = []
+        for mantissas in ((1,), (1, 2, 5), (1, 1.5, 2, 3, 5, 7)):
+            ticks = [m * 10.0**e for e in decades for m in mantissas if inside(m * 10.0**e)]
+            if len(ticks) >= 2:
+                return ticks
+        return sorted({10.0**lo, 10.0**hi, *ticks})
     step = 10 ** math.floor(math.log10((hi - lo) / 4 or 1))
     start = math.ceil(lo / step) * step
     return [start + k * step for k in range(int((hi - start) / step) + 1)]
 
 
 def _fmt(v: float) -> str:
-    return f"{v:g}"
+    """Three significant digits; whole numbers below a million in full (1000, not 1e+03)."""
+    if v == int(v) and abs(v) < 1e6:
+        return str(int(v))
+    return f"{v:.3g}"

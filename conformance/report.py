@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import html
 import json
+import shlex
 import math
 import statistics
 from collections import defaultdict
@@ -66,6 +67,10 @@ class RunReport:
     bench: dict | None = None
     # --require-gpu: a run in which no kernel case ran exits EXIT_NOT_VERIFIED.
     require_gpu: bool = False
+    # What played the kernel: "kernels" (the GPU kernels, or nothing without a GPU), or
+    # "reference" (the reference with planted flips, run --plant): then nothing is PASS.
+    backend: str = "kernels"
+    plants: list[str] = field(default_factory=list)  # the run's --plant values
 
     def case_counts(self) -> dict[str, int]:
         counts = {s.value: 0 for s in Status}
@@ -89,7 +94,7 @@ class RunReport:
         bad += sum(v for k, v in self.reference_counts().items() if k in ("fail", "error"))
         if bad:
             return Verdict.FAIL
-        return Verdict.PASS if cases["pass"] else Verdict.NOT_VERIFIED
+        return Verdict.PASS if cases["pass"] and self.backend == "kernels" else Verdict.NOT_VERIFIED
 
     @property
     def exit_code(self) -> int:
@@ -102,6 +107,8 @@ class RunReport:
 
     def not_verified_reason(self) -> str:
         """Why no kernel case ran (the reasons of the cases not run), for the summary line."""
+        if self.backend != "kernels":
+            return f"the {self.backend} backend played the kernel"
         reasons = sorted({r.reason or "not run" for r in self.cases if r.status is Status.NOT_RUN})
         if not self.cases:
             return "no case selected"
@@ -127,6 +134,7 @@ class RunReport:
                 },
                 "status": self.verdict.value,
                 "require_gpu": self.require_gpu,
+                "backend": self.backend,
                 "exit_code": self.exit_code,
                 "cases": [r.to_dict() for r in self.cases],
                 "compile_checks": [c.to_dict() for c in self.compile_checks],
@@ -183,7 +191,9 @@ body{font:14px/1.4 system-ui,-apple-system,Segoe UI,sans-serif;margin:1.5em;colo
 h1{font-size:1.5em;margin:0 0 .3em} h2{font-size:1.2em;margin:1.6em 0 .5em;border-bottom:1px solid #ccc}
 table{border-collapse:collapse;margin:.4em 0} th,td{border:1px solid #ccc;padding:2px 6px;text-align:left;vertical-align:top}
 th{background:#f3f3f3;font-weight:600} td.num{text-align:right}
-.matrix td{text-align:center;min-width:3.2em;font-variant-numeric:tabular-nums}
+.matrix td{text-align:center;min-width:3.2em;font-variant-numeric:tabular-nums;vertical-align:top}
+.matrices{display:flex;flex-wrap:wrap;gap:12px;align-items:flex-start} .matrices table{margin:0}
+.matrix details div{font-size:11px;white-space:nowrap;text-align:left} .matrix summary{cursor:pointer}
 .pass{background:#c8ecc8} .fail{background:#f4b6b6;font-weight:600} .notrun{background:#e2e2e2;color:#555}
 .partial{background:#f6e7b0} .empty{background:#fff}
 .badge{display:inline-block;padding:3px 10px;border-radius:10px;margin-right:6px;font-weight:600}
@@ -266,6 +276,8 @@ def _environment(report: RunReport) -> str:
 
 
 def _coverage_matrix(results: Sequence[CaseResult]) -> str:
+    """One table per hc value (side by side where the window is wide enough): TP x H rows,
+    variant x op columns; each cell passed / cases, opening (a click, no hover) to its cases."""
     cells = defaultdict(list)
     rows, hcs = set(), set()
     for r in results:
@@ -276,30 +288,27 @@ def _coverage_matrix(results: Sequence[CaseResult]) -> str:
     rows, hcs = sorted(rows), sorted(hcs)
     variants = [v for v in VARIANTS if any(r.case.variant is v for r in results)]
     ops = [o for o in OPS if any(r.case.op is o for r in results)]
-    width = len(variants) * len(ops)
-    head = ['<tr><th rowspan="3">TP</th><th rowspan="3">H</th>']
-    head += [f'<th colspan="{width}">hc = {hc}</th>' for hc in hcs]
-    head.append("</tr><tr>")
-    head += [f'<th colspan="{len(ops)}">{_e(v.value)}</th>' for _ in hcs for v in variants]
-    head.append("</tr><tr>")
-    head += [f"<th>{_e(o.value)}</th>" for _ in hcs for _ in variants for o in ops]
-    head.append("</tr>")
-    body = []
-    for tp, hidden in rows:
-        body.append(f"<tr><th>{tp}</th><th>{hidden}</th>")
-        for hc in hcs:
-            for variant in variants:
-                for op in ops:
-                    group = cells.get((tp, hidden, hc, variant, op), [])
-                    body.append(_matrix_cell(group))
-        body.append("</tr>")
+    tables = []
+    for hc in hcs:
+        head = [f'<tr><th colspan="2">hc = {hc}</th>']
+        head += [f'<th colspan="{len(ops)}">{_e(v.value)}</th>' for v in variants]
+        head.append("</tr><tr><th>TP</th><th>H</th>")
+        head += [f"<th>{_e(o.value)}</th>" for _ in variants for o in ops]
+        head.append("</tr>")
+        body = []
+        for tp, hidden in rows:
+            if not any(cells.get((tp, hidden, hc, v, o)) for v in variants for o in ops):
+                continue
+            body.append(f"<tr><th>{tp}</th><th>{hidden}</th>")
+            body += [_matrix_cell(cells.get((tp, hidden, hc, v, o), [])) for v in variants for o in ops]
+            body.append("</tr>")
+        tables.append(f'<table class="matrix">{"".join(head)}{"".join(body)}</table>')
     legend = (
         '<p class="legend small"><span class="pass">all pass</span><span class="fail">any mismatch or error</span>'
         '<span class="notrun">not run</span><span class="partial">partly run</span>'
-        " each cell: passed / cases over its M values and input families (hover for the cases)</p>"
+        " each cell: passed / cases over its M values and input families; click a cell for its cases</p>"
     )
-    table = f'<table class="matrix">{"".join(head)}{"".join(body)}</table>'
-    return f'<h2>Coverage matrix</h2>{legend}<div class="scroll">{table}</div>'
+    return f'<h2>Coverage matrix</h2>{legend}<div class="matrices">{"".join(tables)}</div>'
 
 
 def _matrix_cell(group: Sequence[CaseResult]) -> str:
@@ -307,11 +316,15 @@ def _matrix_cell(group: Sequence[CaseResult]) -> str:
         return '<td class="empty"></td>'
     statuses = [r.status.value for r in group]
     passed = statuses.count("pass")
-    title = "\n".join(f"M={r.case.m} {r.case.family.value}: {r.status.value}" for r in sorted(group, key=lambda r: r.case.m))
-    return f'<td class="{_status_class(statuses)}" title="{_e(title)}">{passed}/{len(group)}</td>'
+    lines = "".join(
+        f"<div>M={r.case.m} {_e(r.case.family.value)}: {_e(r.status.value)}</div>" for r in sorted(group, key=lambda r: r.case.m)
+    )
+    return f'<td class="{_status_class(statuses)}"><details><summary>{passed}/{len(group)}</summary>{lines}</details></td>'
 
 
-def _breakdown(results: Sequence[CaseResult], key, label: str, order: Sequence) -> str:
+def _breakdown(results: Sequence[CaseResult], key, label: str, order: Sequence, other: tuple[str, object]) -> str:
+    """Counts by one axis; `other` (column title, case -> value) lists what else each row covers."""
+    other_title, other_value = other
     groups = defaultdict(list)
     for r in results:
         groups[key(r.case)].append(r)
@@ -319,14 +332,15 @@ def _breakdown(results: Sequence[CaseResult], key, label: str, order: Sequence) 
     for value in [v for v in order if v in groups]:
         group = groups[value]
         counts = {s.value: sum(1 for r in group if r.status is s) for s in Status}
-        families = sorted({r.case.family.value for r in group})
+        covered = sorted({other_value(r.case) for r in group})
         css = _status_class([r.status.value for r in group])
         rows.append(
             f'<tr><th>{_e(getattr(value, "value", value))}</th><td class="num {css}">{len(group)}</td>'
             + "".join(f'<td class="num">{counts[s.value]}</td>' for s in Status)
-            + f'<td class="small">{_e(", ".join(families))}</td></tr>'
+            + f'<td class="small">{_e(", ".join(map(str, covered)))}</td></tr>'
         )
-    head = f"<tr><th>{_e(label)}</th><th>cases</th>" + "".join(f"<th>{_e(s.value)}</th>" for s in Status) + "<th>families</th></tr>"
+    head = f"<tr><th>{_e(label)}</th><th>cases</th>" + "".join(f"<th>{_e(s.value)}</th>" for s in Status)
+    head += f"<th>{_e(other_title)}</th></tr>"
     return f"<table>{head}{''.join(rows)}</table>"
 
 
@@ -334,23 +348,23 @@ def _ptx_section(contracts: Sequence[KernelContract]) -> str:
     if not contracts:
         return "<h2>PTX contract</h2><p>not checked in this run</p>"
     archs = list(dict.fromkeys(c.arch for c in contracts))
-    kernels = list(dict.fromkeys((c.kind, c.variant) for c in contracts))
-    by = {(c.arch, c.kind, c.variant): c for c in contracts}
-    head = "<tr><th>kernel</th><th>variant</th>" + "".join(f"<th>{_e(a)}</th>" for a in archs) + "</tr>"
+    kernels = list(dict.fromkeys(c.kernel for c in contracts))
+    by = {(c.arch, c.kernel): c for c in contracts}
+    head = "<tr><th>kernel (variant, shape)</th>" + "".join(f"<th>{_e(a)}</th>" for a in archs) + "</tr>"
     rows = []
-    for kind, variant in kernels:
-        row = f"<tr><th>{_e(kind)}</th><td>{_e(variant)}</td>"
+    for kernel in kernels:
+        row = f"<tr><th>{_e(kernel)}</th>"
         for arch in archs:
-            c = by.get((arch, kind, variant))
+            c = by.get((arch, kernel))
             if c is None:
                 row += '<td class="empty"></td>'
                 continue
             passed = sum(ch.passed for ch in c.checks)
             failed = [ch.name for ch in c.checks if not ch.passed]
-            title = "failed: " + "; ".join(failed) if failed else "all checks pass"
             text = "compile error" if c.status == "error" else f"{passed}/{len(c.checks)}"
             link = f' <a href="{_e(c.ptx_file)}">ptx</a>' if c.ptx_file else ""
-            row += f'<td class="{_status_class([c.status])}" title="{_e(title)}">{_e(text)}{link}</td>'
+            why = f'<div class="small">{_e("; ".join(failed))}</div>' if failed else ""
+            row += f'<td class="{_status_class([c.status])}">{_e(text)}{link}{why}</td>'
         rows.append(row + "</tr>")
     details = []
     for c in contracts:
@@ -365,10 +379,13 @@ def _ptx_section(contracts: Sequence[KernelContract]) -> str:
             f"<details{open_attr}><summary>{_e(c.arch)} {_e(c.kernel)}: {_e(c.status)} "
             f"({c.compile_s:.2f} s)</summary>{error}<table>{items}</table></details>"
         )
+    failing = sum(c.status != "pass" for c in contracts)
     return (
-        "<h2>PTX contract</h2><p class=\"small\">every kernel variant compiled for every target arch; each cell:"
-        " checks passed / checks (hover for failures)</p>"
-        f"<table>{head}{''.join(rows)}</table>{''.join(details)}"
+        "<h2>PTX contract</h2><p class=\"small\">every kernel variant of the reference shape and of the run's own"
+        " shapes, compiled for every target arch; each cell: checks passed / checks, the failed ones named</p>"
+        f"<table>{head}{''.join(rows)}</table>"
+        f"<details{' open' if failing else ''}><summary>every check of every kernel ({len(contracts)} compiles,"
+        f" {failing} not passing)</summary>{''.join(details)}</details>"
     )
 
 
@@ -388,10 +405,13 @@ def _reference_section(checks: Sequence[ReferenceCheck]) -> str:
                 row += '<td class="empty"></td>'
                 continue
             judged = [s for s in results if s.judged]
-            css = "notrun" if not judged else ("pass" if all(s.passed for s in judged) else "fail")
+            if judged and not all(s.passed for s in judged):
+                css = "fail"
+            else:  # green only if every case of the cell was judged (and passed)
+                css = "notrun" if not judged else ("pass" if len(judged) == len(results) else "partial")
             text = f"{max(s.max_unexplained_ulps for s in results)} / {max(s.max_ulps for s in results)} ulp"
-            if not judged:
-                text += " (not judged)"
+            if len(judged) < len(results):
+                text += " (not judged)" if not judged else f" ({len(results) - len(judged)} of {len(results)} not judged)"
             notes = sorted({s.note for s in results if s.note})
             row += f'<td class="{css}" title="{_e(chr(10).join(notes))}">{_e(text)}</td>'
         rows.append(row + "</tr>")
@@ -412,7 +432,18 @@ def _reference_section(checks: Sequence[ReferenceCheck]) -> str:
     )
 
 
-def _failures(report: RunReport) -> str:
+def replay_command(bundle: str, run_dir: Path | None = None) -> str:
+    """The shell line that replays a bundle (a path relative to the run folder)."""
+    path = str(run_dir / bundle) if run_dir is not None else bundle
+    return f"python -m conformance repro {shlex.quote(path)}"
+
+
+def rerun_command(report: RunReport, case) -> str:
+    """The shell line that runs one case again (with the run's planted flips, if any)."""
+    return case.repro_command + "".join(f" --plant {shlex.quote(p)}" for p in report.plants)
+
+
+def _failures(report: RunReport, run_dir: Path | None = None) -> str:
     items = []
     for r in report.cases:
         if r.status not in (Status.MISMATCH, Status.ERROR):
@@ -423,10 +454,10 @@ def _failures(report: RunReport) -> str:
         if r.error:
             detail += f"<pre>{_e(r.error[-3000:])}</pre>"
         bundle = f' <a href="{_e(r.bundle)}">bundle</a>' if r.bundle else ""
-        repro = f"python -m conformance repro {r.bundle}" if r.bundle else ""
+        repro = replay_command(r.bundle, run_dir) if r.bundle else ""
         items.append(
             f'<li><span class="badge fail">{_e(r.status.value)}</span><code>{_e(r.case.id)}</code>{bundle}'
-            f"{detail}<div>re-run: <code>{_e(r.case.repro_command)}</code></div>"
+            f"{detail}<div>re-run: <code>{_e(rerun_command(report, r.case))}</code></div>"
             + (f"<div>replay: <code>{_e(repro)}</code></div>" if repro else "")
             + "</li>"
         )
@@ -453,7 +484,8 @@ def _timing_plot(report: RunReport) -> str:
     """Median time per case by M, one line per kind of work (log-log)."""
     series = {}
     for label, points in (
-        ("kernel call, incl. sync", [(r.case.m, 1e3 * r.timings["kernel_s"]) for r in report.cases if "kernel_s" in r.timings]),
+        ("kernels on the GPU (CUDA events)", [(r.case.m, 1e3 * r.timings["kernel_gpu_s"]) for r in report.cases if "kernel_gpu_s" in r.timings]),
+        ("kernel call on the host, incl. sync", [(r.case.m, 1e3 * r.timings["kernel_s"]) for r in report.cases if "kernel_s" in r.timings]),
         ("reference, same device", [(r.case.m, 1e3 * r.timings["reference_s"]) for r in report.cases if "reference_s" in r.timings]),
         ("reference + float64 check", [(c.case.m, 1e3 * c.seconds) for c in report.reference_checks if c.seconds > 0]),
     ):
@@ -462,7 +494,14 @@ def _timing_plot(report: RunReport) -> str:
     if not series:
         return ""
     plot = line_plot_svg(series, x_label="M (tokens)", y_label="median ms per case", log_x=True, log_y=True)
-    return f"<h2>Time per case by M</h2>{plot}"
+    what = (
+        '<p class="small">median over the cases of each M, in milliseconds, log-log. "kernels on the GPU": CUDA'
+        " events around one emulated call (every rank's publish and consumer, one stream; the first call of an"
+        ' instance includes its compile); "on the host": the same call timed on the host until synchronized;'
+        " the reference lines: the PyTorch reference on the run's device, and with its float64 check. Not a"
+        " benchmark (see mhc-ar-conformance bench).</p>"
+    )
+    return f"<h2>Time per case by M</h2>{what}{plot}"
 
 
 def _bench_plot(report: RunReport) -> str:
@@ -474,19 +513,21 @@ def _bench_plot(report: RunReport) -> str:
     return f"<h2>Latency by M</h2>{plot}"
 
 
-def render_html(report: RunReport) -> str:
+def render_html(report: RunReport, run_dir: Path | None = None) -> str:
+    """The page; with run_dir (where it is written) the replay hints carry absolute bundle paths,
+    so they paste into any shell."""
     results = report.cases
     body = [
         _header(report),
         _environment(report),
         _coverage_matrix(results) if results else "<h2>Coverage matrix</h2><p>no cases</p>",
         "<h2>By token count M</h2>",
-        _breakdown(results, lambda c: c.m, "M", sorted({r.case.m for r in results})),
+        _breakdown(results, lambda c: c.m, "M", sorted({r.case.m for r in results}), ("input families", lambda c: c.family.value)),
         "<h2>By input family</h2>",
-        _breakdown(results, lambda c: c.family, "family", FAMILIES),
+        _breakdown(results, lambda c: c.family, "family", FAMILIES, ("token counts M", lambda c: c.m)),
         _ptx_section(report.compile_checks),
         _reference_section(report.reference_checks),
-        _failures(report),
+        _failures(report, run_dir),
         _timing_plot(report),
         _bench_plot(report),
         '<p class="small">results.json holds everything on this page; junit.xml one test case per case and check.</p>',
@@ -500,7 +541,7 @@ def render_html(report: RunReport) -> str:
 
 def write_html(report: RunReport, path) -> Path:
     path = Path(path)
-    path.write_text(render_html(report), encoding="utf-8")
+    path.write_text(render_html(report, path.parent.resolve()), encoding="utf-8")
     return path
 
 

@@ -57,8 +57,8 @@ def locate(mismatch: Mismatch, m: int, hidden: int) -> Element:
 def _values(m: Mismatch) -> tuple[str, str]:
     expected_from = {"reference": "reference", "flashinfer": "flashinfer", "rank0": "rank 0"}[m.oracle]
     return (
-        f"  {expected_from + ':':<11} {m.expected_value!r:<24} bits {m.hex(m.expected_bits)}",
-        f"  {'kernel:':<11} {m.actual_value!r:<24} bits {m.hex(m.actual_bits)}",
+        f"  {expected_from + ':':<11} {m.shown(m.expected_value, m.expected_bits):<24} bits {m.hex(m.expected_bits)}",
+        f"  {'kernel:':<11} {m.shown(m.actual_value, m.actual_bits):<24} bits {m.hex(m.actual_bits)}",
     )
 
 

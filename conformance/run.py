@@ -26,11 +26,12 @@ from .environment import collect_environment
 from .junit import write_junit
 from .ptx_contract import check_compiled_variants
 from .reference_checks import check_reference, reference_check_cases
-from .report import RunReport, write_html, write_results_json
+from .report import RunReport, replay_command, rerun_command, write_html, write_results_json
 from .runner import (
     CaseRun,
     EmulatedKernelBackend,
     KernelBackend,
+    ReferenceKernelBackend,
     Status,
     Watchdog,
     errored,
@@ -61,6 +62,9 @@ class RunOptions:
     case_timeout_s: float | None = DEFAULT_CASE_TIMEOUT_S
     progress: bool = True
     require_gpu: bool = False  # no kernel case run: exit EXIT_NOT_VERIFIED instead of 0
+    # The reference plays the kernel, with these byte flips (runner.PlantedFlip): a reproducer
+    # bundle, and everything downstream of a mismatch, without a GPU.
+    plants: Sequence = ()
     overwrite: bool = False  # replace an existing run folder of the same run id
 
 
@@ -213,6 +217,8 @@ def execute(options: RunOptions, *, backend: KernelBackend | None = None) -> Run
     start = time.perf_counter()
     started_at = _now()
     preset, cases = select_cases(options)
+    if backend is None and options.plants:
+        backend = ReferenceKernelBackend("cpu", plants=options.plants)
     requested = parse_device(options.device) if backend is None else None
     run_dir = run_folder(options, preset)
     run_id = run_dir.name
@@ -245,6 +251,8 @@ def execute(options: RunOptions, *, backend: KernelBackend | None = None) -> Run
         environment=collect_environment(device),
         timings={"total_s": 0.0, "compile_s": 0.0, "reference_checks_s": 0.0, "cases_s": 0.0},
         require_gpu=options.require_gpu,
+        backend="reference" if isinstance(backend, ReferenceKernelBackend) else "kernels",
+        plants=[f"{p.output}@{p.rank}:{p.element}" for p in options.plants],
     )
     if options.case_ids:
         report.filters = {"case": list(options.case_ids)}
@@ -344,7 +352,9 @@ def _run_with_bundles(cases, backend, options: RunOptions, run_dir: Path, report
                 result.note = f"bundle not written (limit of {options.max_bundles} reached)"
         if result.status in (Status.MISMATCH, Status.ERROR):
             progress.write(result.summary())
-            progress.write(f"         repro: {result.case.repro_command}")
+            progress.write(f"         re-run: {rerun_command(report, result.case)}")
+            if result.bundle:
+                progress.write(f"         replay: {replay_command(result.bundle, run_dir.resolve())}")
         progress.update(result.status.value)
 
     def on_timeout(case: Case) -> None:

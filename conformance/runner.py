@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import gc
+import re
 import threading
 import time
 import traceback
@@ -199,6 +200,9 @@ class EmulatedKernelBackend:
         out = list(zip(outputs.new_residual, outputs.layer_input))
         mxfp8_out = list(zip(outputs.mxfp8_values, outputs.mxfp8_scales)) if case.variant is Variant.MXFP8 else None
         mixing = (mix.residual, mix.post, mix.comb, mix.pre, mix.norm_weight, mix.eps)
+        # GPU time of the call alone (every rank's publish and consumer), for the report's plot.
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         if case.op is Contribution.CALL:
             instance([rank.x for rank in inputs.ranks], *mixing, mxfp8_out=mxfp8_out, out=out)
         else:
@@ -211,7 +215,9 @@ class EmulatedKernelBackend:
                 mxfp8_out=mxfp8_out,
                 out=out,
             )
+        stop.record()
         torch.cuda.synchronize(self.device)
+        self.last_kernel_gpu_s = start.elapsed_time(stop) / 1e3
         return outputs
 
 
@@ -220,12 +226,29 @@ class EmulatedKernelBackend:
 
 @dataclass(frozen=True)
 class PlantedFlip:
-    """XOR `mask` into byte `byte` (of the flattened tensor) of `output` on `rank`."""
+    """XOR `mask` into byte `byte` (of the flattened tensor) of `output` on `rank`. From the
+    command line (`run --plant OUTPUT@RANK:INDEX`, see `parse`): `element` names a flat element
+    index instead (its lowest byte is flipped), and cases without that output or rank are left
+    alone (`everywhere`)."""
 
     output: str
     rank: int
-    byte: int
+    byte: int = 0
     mask: int = 0x01
+    element: int | None = None
+    everywhere: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> "PlantedFlip":
+        """OUTPUT@RANK:INDEX, e.g. new_residual@1:4096; a ValueError with the form otherwise."""
+        match = re.fullmatch(r"([a-z0-9_]+)@(\d+):(\d+)", text.strip())
+        if not match or match.group(1) not in OUTPUTS:
+            raise ValueError(f"--plant {text!r}: expected OUTPUT@RANK:INDEX with OUTPUT one of {', '.join(OUTPUTS)}")
+        return cls(match.group(1), int(match.group(2)), element=int(match.group(3)), everywhere=True)
+
+    def __str__(self) -> str:
+        where = f"element {self.element}" if self.element is not None else f"byte {self.byte}"
+        return f"{self.output} rank {self.rank} {where} ^ 0x{self.mask:02x}"
 
 
 class ReferenceKernelBackend:
@@ -248,10 +271,18 @@ class ReferenceKernelBackend:
             **{name: [None if t is None else t.clone() for _ in range(case.tp)] for name, t in per_rank.items()}
         )
         for plant in self.plants:
+            if plant.everywhere and plant.rank >= case.tp:
+                continue
             target = outputs.get(plant.output, plant.rank)
             if target is None:
+                if plant.everywhere:
+                    continue
                 raise ValueError(f"cannot plant a flip in {plant.output}: this variant has none")
-            target.view(torch.uint8).view(-1)[plant.byte] ^= plant.mask
+            byte = plant.byte if plant.element is None else plant.element * target.element_size()
+            flat = target.view(torch.uint8).view(-1)
+            if not 0 <= byte < flat.numel():
+                raise ValueError(f"cannot plant a flip at byte {byte} of {plant.output}: it has {flat.numel()} bytes in {case.id}")
+            flat[byte] ^= plant.mask
         return outputs
 
 
@@ -398,6 +429,8 @@ def run_case(case: Case, backend: KernelBackend, *, second_oracle=None) -> CaseR
         start = time.perf_counter()
         run.kernel = backend.run(case, run.inputs)
         timings["kernel_s"] = time.perf_counter() - start
+        if getattr(backend, "last_kernel_gpu_s", None) is not None:  # CUDA events around the call
+            timings["kernel_gpu_s"] = backend.last_kernel_gpu_s
 
         start = time.perf_counter()
         run.tree = backend.tree(case)

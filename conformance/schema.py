@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-RESULTS_SCHEMA_VERSION = 2  # 2: the run's status (pass, fail, not_verified) and require_gpu
+RESULTS_SCHEMA_VERSION = 2  # 2: the run's status (pass, fail, not_verified), require_gpu, backend
 
 _STR = {"type": "string"}
 _INT = {"type": "integer"}
@@ -152,7 +152,7 @@ RESULTS_SCHEMA = {
     "title": "mhc-ar conformance results",
     "type": "object",
     "required": ["schema_version", "run_id", "preset", "filters", "mode", "started_at", "finished_at",
-                 "environment", "timings", "counts", "status", "require_gpu", "exit_code", "cases", "compile_checks",
+                 "environment", "timings", "counts", "status", "require_gpu", "backend", "exit_code", "cases", "compile_checks",
                  "reference_checks"],
     "properties": {
         "schema_version": {"enum": [RESULTS_SCHEMA_VERSION]},
@@ -182,6 +182,7 @@ RESULTS_SCHEMA = {
         # nothing failed); fail: a mismatch, an error or a failed check.
         "status": {"enum": ["pass", "fail", "not_verified"]},
         "require_gpu": {"type": "boolean"},
+        "backend": {"enum": ["kernels", "reference"]},
         "exit_code": {"enum": [0, 1, 3]},
         "cases": {"type": "array", "items": CASE_RESULT_SCHEMA},
         "compile_checks": {"type": "array", "items": KERNEL_CONTRACT_SCHEMA},

@@ -215,3 +215,77 @@ def test_the_ptx_contract_compiles_the_shapes_the_run_selected(tmp_path, capsys)
         assert f"consumer-full-H1000-hc{hc}-tp3" in kernels and f"publish-call-unicast-H1000-hc{hc}-tp3-k0" in kernels
     assert "consumer-mxfp8-H5120-hc4-tp8" in kernels  # and the reference shape, every variant
     assert not [k for k in kernels if "mxfp8-H1000" in k]  # H=1000 cannot take MXFP8
+
+
+def test_a_bundle_without_a_gpu_from_a_planted_flip(tmp_path, capsys):
+    """run --plant: the reference plays the kernel with one flipped byte, so the gate's whole
+    mismatch path (console line, bundle, report, repro) runs on a CPU; never a PASS."""
+    case = "tp2-H4096-hc4-M5-call-mxfp8-normal"
+    code, out, _ = _run(capsys, "run", "--case", case, "--plant", "mxfp8_scales@1:3", "--out", str(tmp_path), "--run-id", "p",
+                        "--no-progress", "--skip-compile-checks", "--skip-reference-checks")
+    print(out)
+    assert code == EXIT_FAIL and _summary(out).startswith("FAIL mhc-ar conformance p (cases, cpu): 1 cases: 0 pass, 1 mismatch")
+    bundle = tmp_path / "p" / "bundles" / f"{case}.mhcbundle"
+    assert f"replay: python -m conformance repro {bundle.resolve()}" in out
+    assert f"re-run: python -m conformance run --case {case} --plant mxfp8_scales@1:3" in out
+    # The scale byte decoded as 2^(e - 127) on the console line, as in the reproducer.
+    assert "mxfp8_scales rank 1 index (3,): expected 0.0078125 = 2^(120 - 127) (0x78), got 0.015625 = 2^(121 - 127) (0x79)" in out
+    results = json.loads((tmp_path / "p" / "results.json").read_text())
+    assert results["backend"] == "reference" and results["status"] == "fail"
+    code, out, _ = _run(capsys, "repro", str(bundle))
+    print(out)
+    assert code == 1 and "first difference: mxfp8_scales, rank 1, index (3,)" in out
+    assert "0.0078125 = 2^(120 - 127)" in out and "bits 0x78" in out
+    page = (tmp_path / "p" / "index.html").read_text()
+    assert f"replay: <code>python -m conformance repro {bundle.resolve()}</code>" in page
+
+
+def test_a_planted_flip_that_misses_every_case_is_not_a_pass(tmp_path, capsys):
+    code, out, _ = _run(capsys, *FAST, "--plant", "layer_input@5:0", "--out", str(tmp_path), "--run-id", "p")
+    print(_summary(out))
+    assert code == EXIT_PASS and _summary(out).startswith("NOT VERIFIED")
+    assert "the reference backend played the kernel" in _summary(out)
+    code, _, err = _run(capsys, *FAST, "--plant", "nothing@0:0", "--out", str(tmp_path))
+    assert code == EXIT_USAGE and "--plant 'nothing@0:0': expected OUTPUT@RANK:INDEX" in err
+
+
+def test_html_matrix_fits_by_hc_and_opens_without_hover(tmp_path, capsys):
+    code, _, _ = _run(capsys, "run", "--quick", "--tp", "1,2", "--no-progress", "--skip-compile-checks", "--out", str(tmp_path),
+                      "--run-id", "h", "--device", "cpu")
+    page = (tmp_path / "h" / "index.html").read_text()
+    hcs = {int(line.split("-")[2][2:]) for line in (c["id"] for c in json.loads((tmp_path / "h" / "results.json").read_text())["cases"])}
+    assert page.count('<table class="matrix">') == len(hcs) and 'class="scroll"' not in page
+    assert "<details><summary>0/1</summary><div>M=" in page and " title=" not in page.split("Coverage matrix")[1].split("By token")[0]
+    family_table = page.split("By input family")[1].split("</table>")[0]
+    assert "<th>token counts M</th>" in family_table and "<th>families</th>" not in family_table
+
+
+def test_cells_with_cases_not_judged_are_not_green():
+    from conformance.cases import Case
+    from conformance.reference_checks import ReferenceCheck, StageResult
+    from conformance.report import _reference_section
+
+    def check(case_id, judged):
+        stage = StageResult("rms_norm", max_ulps=3, max_unexplained_ulps=0, ill_conditioned=0, nonfinite_mismatches=0,
+                            elements=128, judged=judged, passed=True, note=None if judged else "NaN input")
+        return ReferenceCheck(Case.from_id(case_id), "pass", [stage], seconds=0.1)
+
+    none_judged = _reference_section([check("tp1-H128-hc1-M1-call-full-normal", False)])
+    cell = none_judged.split("<th>normal</th>")[1].split("</tr>")[0].split("</td>", 1)[1]
+    assert "(not judged)" in cell and 'class="notrun"' in cell and 'class="pass"' not in cell
+    some_judged = _reference_section([check("tp1-H128-hc1-M1-call-full-normal", False), check("tp1-H128-hc1-M2-call-full-normal", True)])
+    cell = some_judged.split("<th>normal</th>")[1].split("</tr>")[0].split("</td>", 1)[1]
+    assert "(1 of 2 not judged)" in cell and 'class="partial"' in cell
+    all_judged = _reference_section([check("tp1-H128-hc1-M2-call-full-normal", True)])
+    assert 'class="pass"' in all_judged.split("<th>normal</th>")[1].split("</tr>")[0].split("</td>", 1)[1]
+
+
+def test_log_axis_ticks_are_readable_in_a_narrow_range():
+    import math
+
+    from conformance.plots import _fmt, _ticks
+
+    labels = [_fmt(t) for t in _ticks(math.log10(17.3271), math.log10(21.9), True)]
+    assert labels == ["17.3", "20", "21.9"]
+    assert [_fmt(t) for t in _ticks(0, 3, True)] == ["1", "10", "100", "1000"]
+    assert [_fmt(t) for t in _ticks(math.log10(3), math.log10(40), True)] == ["5", "10", "20"]
