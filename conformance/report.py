@@ -235,6 +235,8 @@ def _header(report: RunReport) -> str:
     css = {Verdict.PASS: "pass", Verdict.FAIL: "fail", Verdict.NOT_VERIFIED: "unverified"}[verdict]
     gpu = report.environment.get("gpu")
     where = f"GPU: {gpu['name']} (sm {gpu['capability']})" if gpu else "no GPU: kernels compiled and PTX-checked, not run"
+    if report.backend != "kernels":
+        where = f"no kernel ran: the {report.backend} played it, with planted flips {', '.join(report.plants) or 'none'}"
     parts = [
         f"<h1>mhc-ar conformance: run {_e(report.run_id)}</h1>",
         f'<p><span class="badge verdict {css}">{verdict.label}</span>'
