@@ -120,7 +120,7 @@ class CallValidator:
             raise ValueError("mxfp8_out given, but this instance was built with quantize_layer_input=False")
 
         if out is None:
-            check.check_no_overlap(outputs, inputs)
+            check.check_no_overlap(outputs, inputs + _spans(sources))
             check.check_disjoint(outputs)
             new_residual, layer_input = self.fresh_outputs(m)
         else:
@@ -135,7 +135,9 @@ class CallValidator:
             else:
                 address = check.check_tensor(layer_input, "out[1] (layer_input)", shape=(m, h), dtype=bf16, device=dev)
                 outputs.append(("out[1] (layer_input)", address, m * h * 2))
-            check.check_no_overlap(outputs, inputs)
+            # The publish's sources too (x, or shared_output and the expert tensors): one rule for
+            # every input, as README states it, rather than a PDL-ordering argument per output.
+            check.check_no_overlap(outputs, inputs + _spans(sources))
             check.check_disjoint(outputs)
 
         return _Launch(
@@ -150,11 +152,16 @@ def _finalize_sources(gemm2, weights, routes, shared):
     return (("shared_output", shared), ("gemm2_permuted", gemm2), ("expert_weights", weights), ("expanded_idx_to_permuted_idx", routes))
 
 
+def _spans(sources):
+    """(name, address, nbytes) of the publish's sources (validated tensors)."""
+    return [(name, tensor.data_ptr(), tensor.numel() * tensor.element_size()) for name, tensor in sources]
+
+
 def _check_early_scales(address: int, nbytes: int, sources) -> None:
     """The consumer zeroes the MXFP8 padding scales before its PDL wait, while the publish may
-    still read its sources: the scales must not share memory with them."""
-    spans = [(name, tensor.data_ptr(), tensor.numel() * tensor.element_size()) for name, tensor in sources]
-    check.check_no_overlap([("mxfp8_out[1] (scales)", address, nbytes)], spans)
+    still read its sources: the scales must not share memory with them (checked first, so the
+    message says why)."""
+    check.check_no_overlap([("mxfp8_out[1] (scales)", address, nbytes)], _spans(sources))
 
 
 class _Engine:

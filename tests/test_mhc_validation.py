@@ -89,6 +89,24 @@ def test_outputs_must_not_alias_inputs():
         validator().check_call(X, mix(norm_weight=weight[:H]), 1e-6, None, (aligned((M, HC, H), torch.bfloat16), weight.view(M, H)))
 
 
+def test_outputs_must_not_alias_what_the_publish_reads():
+    """x (call) and shared_output, gemm2_permuted, expert_weights, the routes (finalize) are
+    inputs too: an output sharing their memory is refused, not left to PDL ordering."""
+    storage = aligned((M * H,), torch.bfloat16)
+    x = storage.view(M, H)
+    with pytest.raises(ValueError, match=r"out\[1\] \(layer_input\) overlaps x: outputs must not alias inputs"):
+        validator().check_call(x, mix(), 1e-6, None, (aligned((M, HC, H), torch.bfloat16), storage.view(M, H)))
+    raw = aligned((M * H * 2,), torch.uint8)  # x's bytes, the e4m3 values inside them
+    x, values = raw.view(torch.bfloat16).view(M, H), raw[: M * H].view(torch.float8_e4m3fn).view(M, H)
+    with pytest.raises(ValueError, match=r"mxfp8_out\[0\] \(values\) overlaps x"):
+        validator(Variant.MXFP8).check_call(x, mix(), 1e-6, (values, aligned((mxfp8_scale_bytes(M, H),), torch.uint8)), None)
+    shared = aligned((M, H), torch.bfloat16)
+    out = (aligned((M, HC, H), torch.bfloat16), shared)
+    with pytest.raises(ValueError, match=r"out\[1\] \(layer_input\) overlaps shared_output"):
+        validator(top_k=K).check_finalize(aligned((4, H), torch.bfloat16), aligned((M, K), torch.float32),
+                                          aligned((M, K), torch.int32), shared, mix(), 1e-6, None, out)
+
+
 def test_outputs_must_not_alias_each_other():
     storage = aligned((M * HC * H,), torch.bfloat16)
     out = (storage.view(M, HC, H), storage[: M * H].view(M, H))
