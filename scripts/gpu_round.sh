@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU round on a device machine, every step logged under $OUT (default /tmp/mhc_out):
-#   bash scripts/gpu_round.sh [smoke] [rsqrt] [tests] [concurrent] [stress] [protocol-cost] [mps] [conformance] [full-a] [full-b] [bench] [eager] [host-timing] ...
+#   bash scripts/gpu_round.sh [smoke] [rsqrt] [tests] [concurrent] [out-of-step] [stress] [protocol-cost] [mps] [conformance] [full-a] [full-b] [bench] [eager] [host-timing] ...
 #   several GPUs: [topo] [tp-conformance] [tp-graph] [tp-bench] [missing-rank] (NGPU ranks; default all GPUs)
 # Each step runs under `timeout`, so a hung kernel costs minutes, not the whole lease.
 set -u
@@ -43,7 +43,18 @@ for step in "${steps[@]}"; do
         # Same-run cost of the protocol change: this tree against the package before it, copied
         # as .before/mhc_ar_before (scripts/protocol_cost.py says how).
         protocol-cost) run protocol-cost 400 env PYTHONPATH=".before:${PYTHONPATH:-}" $PY scripts/protocol_cost.py ;;
-        conformance-quick) run conformance-quick 300 $PY -m conformance run --quick --out "$OUT/reports" ;;
+        conformance-quick) run conformance-quick 300 $PY -m conformance run --quick --require-gpu --out "$OUT/reports" ;;
+        # The default matrix, and the full one in two halves (each well under the 10 min a device
+        # command may run; session 11: 114 s and 147 s with the checks skipped).
+        conformance) run conformance 560 $PY -m conformance run --require-gpu --out "$OUT/reports" --run-id default --no-progress ;;
+        full-a) run full-a 560 $PY -m conformance run --full --tp 1,2 --require-gpu --out "$OUT/reports" --run-id full-tp1-2 \
+                    --no-progress --skip-compile-checks --skip-reference-checks ;;
+        full-b) run full-b 560 $PY -m conformance run --full --tp 4,8 --require-gpu --out "$OUT/reports" --run-id full-tp4-8 \
+                    --no-progress --skip-compile-checks --skip-reference-checks ;;
+        # Out-of-step scenarios one by one, with their full output (the pytest file runs them all).
+        out-of-step) for s in reject m_differs skip op_differs; do for t in streams ipc; do
+                         run "oos-$s-check-$t" 100 $PY tests/out_of_step.py $s check $t; done
+                         run "oos-$s-nocheck-streams" 100 $PY tests/out_of_step.py $s nocheck streams; done ;;
         bench) run bench 420 $PY -m conformance.bench --out "$OUT/bench" ;;
         # The eager table alone (with the H5120 rows it is reported beside), e.g. twice in a round.
         eager) run "eager-$SECONDS" 300 $PY -m conformance.bench --hidden 5120 --m 1,16,128 --tp "" --out "$OUT/bench-eager-$SECONDS" ;;
