@@ -92,7 +92,14 @@ def _cmd_run(args) -> int:
             require_gpu=args.require_gpu,
             overwrite=args.overwrite,
             plants=tuple(PlantedFlip.parse(text) for text in args.plant or ()),
+            impl=args.impl,
         )
+        if args.impl is not None:
+            from .impl import load_factory
+
+            load_factory(args.impl)
+            if options.plants:
+                raise ValueError("--impl with --plant: the planted flips replace the implementation")
         options.filters.validate()
         label, cases = select_cases(options)
         if args.list:
@@ -183,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", default="reports", help="report directory (default: reports)")
     run.add_argument("--run-id", help="name of the run's subdirectory (default: time and preset); an existing one is refused")
     run.add_argument("--overwrite", action="store_true", help="replace the folder of an existing --run-id")
+    run.add_argument("--impl", metavar="NAME|MODULE:FACTORY",
+                     help="the implementation judged: mhc_ar (default), reference, torch-unfused, or MODULE:FACTORY "
+                          "(the adapter protocol: conformance.impl, README)")
     run.add_argument("--plant", action="append", metavar="OUTPUT@RANK:INDEX",
                      help="no kernel: the reference plays it, with the lowest byte of element INDEX of OUTPUT on RANK "
                           "flipped (repeatable); mismatches and bundles as a kernel bug would give, without a GPU")

@@ -42,7 +42,11 @@ def build_junit(report: RunReport) -> ET.ElementTree:
             text = "\n".join([m.describe() + f" [vs {m.oracle}]" for m in result.mismatches] + [f"repro: {c.repro_command}"])
             if result.bundle:
                 text += f"\nbundle: {result.bundle} (python -m conformance repro {result.bundle})"
-            ET.SubElement(element, "failure", message=_text(first.describe()), type="mismatch").text = _text(text)
+            message = first.describe()
+            if result.divergence and result.divergence.get("stage"):
+                message += f" | first divergence: {result.divergence['stage']}: {result.divergence['detail']}"
+                text = f"first divergence: {result.divergence['stage']}: {result.divergence['detail']}\n" + text
+            ET.SubElement(element, "failure", message=_text(message), type="mismatch").text = _text(text)
             counts["failures"] += 1
         elif result.status is Status.ERROR:
             last = (result.error or "error").strip().splitlines()[-1]

@@ -94,7 +94,8 @@ class RunReport:
         bad += sum(v for k, v in self.reference_counts().items() if k in ("fail", "error"))
         if bad:
             return Verdict.FAIL
-        return Verdict.PASS if cases["pass"] and self.backend == "kernels" else Verdict.NOT_VERIFIED
+        judged = self.backend == "kernels" or self.backend.startswith("impl:")
+        return Verdict.PASS if cases["pass"] and judged else Verdict.NOT_VERIFIED
 
     @property
     def exit_code(self) -> int:
@@ -107,8 +108,8 @@ class RunReport:
 
     def not_verified_reason(self) -> str:
         """Why no kernel case ran (the reasons of the cases not run), for the summary line."""
-        if self.backend != "kernels":
-            return f"the {self.backend} backend played the kernel"
+        if self.backend == "reference":
+            return "the reference backend played the kernel"
         reasons = sorted({r.reason or "not run" for r in self.cases if r.status is Status.NOT_RUN})
         if not self.cases:
             return "no case selected"
@@ -235,8 +236,10 @@ def _header(report: RunReport) -> str:
     css = {Verdict.PASS: "pass", Verdict.FAIL: "fail", Verdict.NOT_VERIFIED: "unverified"}[verdict]
     gpu = report.environment.get("gpu")
     where = f"GPU: {gpu['name']} (sm {gpu['capability']})" if gpu else "no GPU: kernels compiled and PTX-checked, not run"
-    if report.backend != "kernels":
-        where = f"no kernel ran: the {report.backend} played it, with planted flips {', '.join(report.plants) or 'none'}"
+    if report.backend == "reference":
+        where = f"no kernel ran: the reference played it, with planted flips {', '.join(report.plants) or 'none'}"
+    elif report.backend.startswith("impl:"):
+        where = f"implementation judged: {report.backend.removeprefix('impl:')} (on {report.mode})"
     parts = [
         f"<h1>mhc-ar conformance: run {_e(report.run_id)}</h1>",
         f'<p><span class="badge verdict {css}">{verdict.label}</span>'
@@ -434,6 +437,44 @@ def _reference_section(checks: Sequence[ReferenceCheck]) -> str:
     )
 
 
+def _divergence_section(results: Sequence[CaseResult]) -> str:
+    """Mismatching cases by the first stage that differs (conformance.divergence), with what
+    they cover, and the distances of their differing elements per output."""
+    found = [r for r in results if r.divergence]
+    if not found:
+        return ""
+    from .divergence import STAGES, ULP_BINS
+
+    rows = []
+    for stage in [*STAGES, None]:
+        group = [r for r in found if r.divergence["stage"] == stage]
+        if not group:
+            continue
+        covered = "; ".join(
+            f"{label} {', '.join(map(str, sorted({key(r.case) for r in group})))}"
+            for label, key in (("M", lambda c: c.m), ("hc", lambda c: c.hc), ("TP", lambda c: c.tp), ("op", lambda c: c.op.value))
+        )
+        example = group[0].divergence["detail"]
+        rows.append(f'<tr><th>{_e(stage or "none")}</th><td class="num fail">{len(group)}</td><td class="small">{_e(covered)}</td>'
+                    f'<td class="small">{_e(group[0].case.id)}: {_e(example)}</td></tr>')
+    totals = defaultdict(lambda: dict.fromkeys(ULP_BINS, 0))
+    for r in found:
+        for output, bins in r.divergence["ulps"].items():
+            for name, count in bins.items():
+                totals[output][name] += count
+    ulp_rows = "".join(
+        f"<tr><th>{_e(output)}</th>" + "".join(f'<td class="num">{bins[name]}</td>' for name in ULP_BINS) + "</tr>"
+        for output, bins in totals.items()
+    )
+    return (
+        "<h2>First divergence</h2><p class=\"small\">each mismatching case by the first stage whose value differs,"
+        " found from its outputs and the reference's intermediates (conformance.divergence)</p>"
+        f"<table><tr><th>stage</th><th>cases</th><th>covering</th><th>first case</th></tr>{''.join(rows)}</table>"
+        "<p class=\"small\">differing elements by distance, in units in the last place of each output's format</p>"
+        f"<table><tr><th>output</th>{''.join(f'<th>{_e(b)} ulp</th>' for b in ULP_BINS)}</tr>{ulp_rows}</table>"
+    )
+
+
 def replay_command(bundle: str, run_dir: Path | None = None) -> str:
     """The shell line that replays a bundle (a path relative to the run folder)."""
     path = str(run_dir / bundle) if run_dir is not None else bundle
@@ -529,6 +570,7 @@ def render_html(report: RunReport, run_dir: Path | None = None) -> str:
         _breakdown(results, lambda c: c.family, "family", FAMILIES, ("token counts M", lambda c: c.m)),
         _ptx_section(report.compile_checks),
         _reference_section(report.reference_checks),
+        _divergence_section(results),
         _failures(report, run_dir),
         _timing_plot(report),
         _bench_plot(report),

@@ -65,6 +65,9 @@ class RunOptions:
     # The reference plays the kernel, with these byte flips (runner.PlantedFlip): a reproducer
     # bundle, and everything downstream of a mismatch, without a GPU.
     plants: Sequence = ()
+    # The implementation judged: None or "mhc_ar" (the kernels), a built-in of conformance.impl,
+    # or MODULE:FACTORY (the adapter protocol there).
+    impl: str | None = None
     overwrite: bool = False  # replace an existing run folder of the same run id
 
 
@@ -219,6 +222,11 @@ def execute(options: RunOptions, *, backend: KernelBackend | None = None) -> Run
     preset, cases = select_cases(options)
     if backend is None and options.plants:
         backend = ReferenceKernelBackend("cpu", plants=options.plants)
+    if backend is None and options.impl not in (None, "mhc_ar"):
+        from .impl import ImplementationBackend
+
+        device = parse_device(options.device) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        backend = ImplementationBackend(options.impl, device)
     requested = parse_device(options.device) if backend is None else None
     run_dir = run_folder(options, preset)
     run_id = run_dir.name
@@ -251,7 +259,7 @@ def execute(options: RunOptions, *, backend: KernelBackend | None = None) -> Run
         environment=collect_environment(device),
         timings={"total_s": 0.0, "compile_s": 0.0, "reference_checks_s": 0.0, "cases_s": 0.0},
         require_gpu=options.require_gpu,
-        backend="reference" if isinstance(backend, ReferenceKernelBackend) else "kernels",
+        backend=_backend_label(backend),
         plants=[f"{p.output}@{p.rank}:{p.element}" for p in options.plants],
     )
     if options.case_ids:
@@ -319,6 +327,13 @@ def execute(options: RunOptions, *, backend: KernelBackend | None = None) -> Run
         report.timings["compile_s"] = time.perf_counter() - t
 
     return finish()
+
+
+def _backend_label(backend) -> str:
+    if isinstance(backend, ReferenceKernelBackend):
+        return "reference"
+    name = getattr(backend, "name", None)  # conformance.impl.ImplementationBackend
+    return f"impl:{name}" if name else "kernels"
 
 
 def _run_with_bundles(cases, backend, options: RunOptions, run_dir: Path, report: RunReport, finish, writer=True):

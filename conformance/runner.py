@@ -361,6 +361,9 @@ class CaseResult:
     reason: str | None = None  # why not run
     bundle: str | None = None  # bundle path relative to the report directory
     note: str | None = None
+    # conformance.divergence.Divergence.to_dict() of a mismatching case: the first stage that
+    # differs and the distances per output.
+    divergence: dict | None = None
 
     @property
     def first_mismatch(self) -> Mismatch | None:
@@ -398,6 +401,7 @@ class CaseResult:
             "bundle": self.bundle,
             "note": self.note,
             "repro": self.case.repro_command,
+            "divergence": self.divergence,
         }
 
 
@@ -448,6 +452,14 @@ def run_case(case: Case, backend: KernelBackend, *, second_oracle=None) -> CaseR
         return run
     run.result.mismatches = mismatches
     run.result.status = Status.MISMATCH if mismatches else Status.PASS
+    if mismatches:
+        from .divergence import first_divergence
+
+        rank = next((m.rank for m in mismatches if m.oracle == "reference"), mismatches[0].rank) or 0
+        try:
+            run.result.divergence = first_divergence(case, run.inputs, run.tree, run.kernel, rank).to_dict()
+        except Exception as error:  # an explanation problem must not hide the mismatch itself
+            run.result.note = f"first divergence not found: {type(error).__name__}: {error}"
     return run
 
 

@@ -88,6 +88,22 @@ CASE_RESULT_SCHEMA = {
         "reason": _STR_OR_NULL,
         "bundle": _STR_OR_NULL,
         "repro": _STR,
+        # A mismatching case: the first stage that differs (conformance.divergence), and the
+        # distance of the differing elements per output, binned in ulps of their format.
+        "divergence": {
+            "anyOf": [
+                {"type": "null"},
+                {
+                    "type": "object",
+                    "required": ["stage", "detail", "ulps"],
+                    "properties": {
+                        "stage": {"enum": [None, "contribution", "reduce", "post_mix", "collapse", "rms_norm", "mxfp8"]},
+                        "detail": _STR,
+                        "ulps": {"type": "object"},
+                    },
+                },
+            ]
+        },
     },
 }
 
@@ -182,7 +198,7 @@ RESULTS_SCHEMA = {
         # nothing failed); fail: a mismatch, an error or a failed check.
         "status": {"enum": ["pass", "fail", "not_verified"]},
         "require_gpu": {"type": "boolean"},
-        "backend": {"enum": ["kernels", "reference"]},
+        "backend": _STR,  # kernels, reference (planted flips), or impl:NAME (run --impl)
         "exit_code": {"enum": [0, 1, 3]},
         "cases": {"type": "array", "items": CASE_RESULT_SCHEMA},
         "compile_checks": {"type": "array", "items": KERNEL_CONTRACT_SCHEMA},
