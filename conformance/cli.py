@@ -98,6 +98,10 @@ def _cmd_run(args) -> int:
             from .impl import load_factory
 
             load_factory(args.impl)
+            from .distributed import torchrun_world
+
+            if args.impl != "mhc_ar" and torchrun_world() is not None:
+                raise ValueError(f"--impl {args.impl} under torchrun: one rank's object per process is not supported yet")
             if options.plants:
                 raise ValueError("--impl with --plant: the planted flips replace the implementation")
         options.filters.validate()
