@@ -44,6 +44,7 @@ EXTENSIONS = {
     "measure-rsqrt": ("conformance.rsqrt_measure", "measure the GPU's rsqrt.approx deviation table over [0.5, 2)"),
     "bench": ("conformance.bench", "latency of the fused kernels by M"),
     "bench-tp": ("conformance.bench_tp", "fused vs NCCL + unfused across real ranks (under torchrun)"),
+    "merge": ("conformance.merge", "one coverage report from several runs' results.json"),
 }
 
 
