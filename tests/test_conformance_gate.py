@@ -191,16 +191,20 @@ def test_list_into_a_closed_pipe_is_quiet():
     assert proc.stdout.strip().splitlines()[-1] == "rc=0"
 
 
-def test_compiling_with_ptx_leaves_nothing_in_the_temp_folder():
+def test_compiling_with_ptx_leaves_nothing_in_the_temp_folder(tmp_path, monkeypatch):
+    """The DSL's dump folder (PTX, cubin) lives in a temporary folder removed after each
+    compile. This process's temp folder is pointed at an empty one (other xdist workers
+    compile at the same time in the real one), and a shape nothing else compiles is used."""
     from mhc_ar.compile import compile_consumer
     from mhc_ar.config import ConsumerSpec, Variant, choose_consumer_tiling
 
-    pattern = os.path.join(tempfile.gettempdir(), "mhc_ar_ptx_*")
-    before = set(glob.glob(pattern))
-    spec = ConsumerSpec(choose_consumer_tiling(1024), hc=2, tp=2, capacity=4, variant=Variant.RESIDUAL_ONLY)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    spec = ConsumerSpec(choose_consumer_tiling(1032), hc=3, tp=3, capacity=7, variant=Variant.RESIDUAL_ONLY)
+    misses = compile_consumer.cache_info().misses
     compiled = compile_consumer(spec, "sm_90a", keep_ptx=True)
+    assert compile_consumer.cache_info().misses == misses + 1  # it did compile here
     assert compiled.ptx and compiled.function.__cubin__
-    assert set(glob.glob(pattern)) == before
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_ptx_contract_compiles_the_shapes_the_run_selected(tmp_path, capsys):
