@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from reference import all_reduce_mhc, bf16_rn, bf16_to_f32, post_mix, reduce, rms_norm
+from reference import all_reduce_mhc, bf16_rn, bf16_to_f32, post_mix, reduce
 from reference.exact import add_f32, mul_f32
 
 from .runner import KernelOutputs

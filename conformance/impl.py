@@ -28,13 +28,13 @@ from typing import Callable
 
 import torch
 
-from mhc_ar.config import Contribution, Variant
+from mhc_ar.config import Contribution
 from reference import MixInputs, RankInputs, ReductionTree, all_reduce_mhc
 from reference.mxfp8 import mxfp8_quantize
 
 from .cases import Case
 from .inputs import CaseInputs
-from .runner import KernelOutputs, instance_arguments, poisoned_outputs, tiling_tree
+from .runner import KernelOutputs, call_emulated, instance_arguments, poisoned_outputs, tiling_tree
 
 
 # ----- built-in implementations -------------------------------------------------------------------
@@ -202,17 +202,7 @@ class ImplementationBackend:
     def run(self, case: Case, inputs: CaseInputs) -> KernelOutputs:
         obj = self.instance(case)
         outputs = poisoned_outputs(case, self.device)
-        mix = inputs.mix
-        out = list(zip(outputs.new_residual, outputs.layer_input))
-        mxfp8_out = list(zip(outputs.mxfp8_values, outputs.mxfp8_scales)) if case.variant is Variant.MXFP8 else None
-        mixing = (mix.residual, mix.post, mix.comb, mix.pre, mix.norm_weight, mix.eps)
-        if case.op is Contribution.CALL:
-            obj([rank.x for rank in inputs.ranks], *mixing, mxfp8_out=mxfp8_out, out=out)
-        else:
-            ranks = inputs.ranks
-            obj.finalize([r.gemm2_permuted for r in ranks], [r.expert_weights for r in ranks],
-                         [r.expanded_idx_to_permuted_idx for r in ranks], [r.shared_output for r in ranks],
-                         *mixing, mxfp8_out=mxfp8_out, out=out)
+        call_emulated(obj, case, inputs, outputs)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return outputs

@@ -196,29 +196,29 @@ class EmulatedKernelBackend:
     def run(self, case: Case, inputs: CaseInputs) -> KernelOutputs:
         instance = self.instance(case)
         outputs = poisoned_outputs(case, self.device)
-        mix = inputs.mix
-        out = list(zip(outputs.new_residual, outputs.layer_input))
-        mxfp8_out = list(zip(outputs.mxfp8_values, outputs.mxfp8_scales)) if case.variant is Variant.MXFP8 else None
-        mixing = (mix.residual, mix.post, mix.comb, mix.pre, mix.norm_weight, mix.eps)
         # GPU time of the call alone (every rank's publish and consumer), for the report's plot.
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        if case.op is Contribution.CALL:
-            instance([rank.x for rank in inputs.ranks], *mixing, mxfp8_out=mxfp8_out, out=out)
-        else:
-            instance.finalize(
-                [rank.gemm2_permuted for rank in inputs.ranks],
-                [rank.expert_weights for rank in inputs.ranks],
-                [rank.expanded_idx_to_permuted_idx for rank in inputs.ranks],
-                [rank.shared_output for rank in inputs.ranks],
-                *mixing,
-                mxfp8_out=mxfp8_out,
-                out=out,
-            )
+        call_emulated(instance, case, inputs, outputs)
         stop.record()
         torch.cuda.synchronize(self.device)
         self.last_kernel_gpu_s = start.elapsed_time(stop) / 1e3
         return outputs
+
+
+def call_emulated(obj, case: Case, inputs: CaseInputs, outputs: KernelOutputs) -> None:
+    """One call of an object with EmulatedAllReduceMHC's interface (per-rank lists), its outputs
+    written into `outputs`."""
+    mix, ranks = inputs.mix, inputs.ranks
+    out = list(zip(outputs.new_residual, outputs.layer_input))
+    mxfp8_out = list(zip(outputs.mxfp8_values, outputs.mxfp8_scales)) if case.variant is Variant.MXFP8 else None
+    mixing = (mix.residual, mix.post, mix.comb, mix.pre, mix.norm_weight, mix.eps)
+    if case.op is Contribution.CALL:
+        obj([rank.x for rank in ranks], *mixing, mxfp8_out=mxfp8_out, out=out)
+    else:
+        obj.finalize([r.gemm2_permuted for r in ranks], [r.expert_weights for r in ranks],
+                     [r.expanded_idx_to_permuted_idx for r in ranks], [r.shared_output for r in ranks],
+                     *mixing, mxfp8_out=mxfp8_out, out=out)
 
 
 # ----- a CPU stand-in for the kernel -------------------------------------------------------------
@@ -540,6 +540,7 @@ __all__ = [
     "ReferenceKernelBackend",
     "Status",
     "Watchdog",
+    "call_emulated",
     "compare_outputs",
     "errored",
     "expected_outputs",

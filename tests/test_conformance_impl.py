@@ -8,7 +8,6 @@ import json
 import os
 
 import pytest
-import torch
 
 from conformance import cli
 from conformance.cases import Case
