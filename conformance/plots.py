@@ -72,9 +72,15 @@ def _ticks(lo: float, hi: float, log: bool) -> list[float]:
             if len(ticks) >= 2:
                 return ticks
         return sorted({10.0**lo, 10.0**hi, *ticks})
-    step = 10 ** math.floor(math.log10((hi - lo) / 4 or 1))
-    start = math.ceil(lo / step) * step
-    return [start + k * step for k in range(int((hi - start) / step) + 1)]
+    # A linear axis: the 1-2-5 step that gives at most 8 ticks.
+    span = (hi - lo) or 1
+    step = 10 ** math.floor(math.log10(span / 8))
+    for factor in (1, 2, 5, 10):
+        if span / (step * factor) <= 8:
+            step *= factor
+            break
+    start = math.ceil(lo / step - 1e-9) * step
+    return [round(start + k * step, 12) for k in range(int((hi - start) / step + 1e-9) + 1)]
 
 
 def _fmt(v: float) -> str:

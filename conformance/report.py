@@ -466,12 +466,25 @@ def _divergence_section(results: Sequence[CaseResult]) -> str:
         f"<tr><th>{_e(output)}</th>" + "".join(f'<td class="num">{bins[name]}</td>' for name in ULP_BINS) + "</tr>"
         for output, bins in totals.items()
     )
+    plots = []
+    for label, key in (("M", lambda c: c.m), ("hc", lambda c: c.hc), ("TP", lambda c: c.tp)):
+        series = {}
+        for stage in STAGES:
+            counts = defaultdict(int)
+            for r in found:
+                if r.divergence["stage"] == stage:
+                    counts[key(r.case)] += 1
+            if counts:
+                series[stage] = sorted(counts.items())
+        plots.append(line_plot_svg(series, x_label=label, y_label="mismatching cases", log_x=label == "M", width=460, height=260))
     return (
         "<h2>First divergence</h2><p class=\"small\">each mismatching case by the first stage whose value differs,"
         " found from its outputs and the reference's intermediates (conformance.divergence)</p>"
         f"<table><tr><th>stage</th><th>cases</th><th>covering</th><th>first case</th></tr>{''.join(rows)}</table>"
         "<p class=\"small\">differing elements by distance, in units in the last place of each output's format</p>"
         f"<table><tr><th>output</th>{''.join(f'<th>{_e(b)} ulp</th>' for b in ULP_BINS)}</tr>{ulp_rows}</table>"
+        "<p class=\"small\">mismatching cases by first divergent stage, against M, hc and TP</p>"
+        f'<div class="matrices">{"".join(plots)}</div>'
     )
 
 

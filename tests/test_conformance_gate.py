@@ -292,3 +292,10 @@ def test_log_axis_ticks_are_readable_in_a_narrow_range():
     assert labels == ["17.3", "20", "21.9"]
     assert [_fmt(t) for t in _ticks(0, 3, True)] == ["1", "10", "100", "1000"]
     assert [_fmt(t) for t in _ticks(math.log10(3), math.log10(40), True)] == ["5", "10", "20"]
+
+
+def test_linear_axis_ticks_are_few():
+    from conformance.plots import _fmt, _ticks
+
+    assert [_fmt(t) for t in _ticks(1, 4, False)] == ["1", "1.5", "2", "2.5", "3", "3.5", "4"]
+    assert len(_ticks(0, 17.5, False)) <= 8 and len(_ticks(1, 2, False)) <= 8
