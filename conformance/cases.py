@@ -24,7 +24,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from mhc_ar.config import Contribution, Variant
+from mhc_ar.config import MAX_HC, Contribution, Variant
+from mhc_ar.protocol import MAX_TP
 
 TP_SIZES = (1, 2, 4, 8)
 HIDDEN_SIZES = (4096, 5120, 7168)
@@ -100,14 +101,14 @@ class Case:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name} must be an int, got {value!r}")
-        if not 1 <= self.tp <= 8:
-            raise ValueError(f"tp must be in 1..8, got {self.tp}")
+        if not 1 <= self.tp <= MAX_TP:
+            raise ValueError(f"tp must be in 1..{MAX_TP}, got {self.tp}")
         if self.hidden <= 0 or self.hidden % 8:
             raise ValueError(f"hidden must be a positive multiple of 8, got {self.hidden}")
         if self.variant is Variant.MXFP8 and self.hidden % 128:
             raise ValueError(f"the mxfp8 variant needs hidden % 128 == 0, got {self.hidden}")
-        if not 1 <= self.hc <= 8:
-            raise ValueError(f"hc must be in 1..8, got {self.hc}")
+        if not 1 <= self.hc <= MAX_HC:
+            raise ValueError(f"hc must be in 1..{MAX_HC}, got {self.hc}")
         if not 1 <= self.m <= self.capacity:
             raise ValueError(f"m must be in 1..capacity={self.capacity}, got {self.m}")
         if self.op is Contribution.FINALIZE and self.top_k < 1:
@@ -255,9 +256,9 @@ class Filters:
     def validate(self) -> None:
         """A ValueError naming the option and its rule for any value no case can have."""
         rules = (
-            ("tp", lambda v: 1 <= v <= MAX_TP_SIZE, f"TP sizes are 1..{MAX_TP_SIZE}"),
+            ("tp", lambda v: 1 <= v <= MAX_TP, f"TP sizes are 1..{MAX_TP}"),
             ("hidden", lambda v: v > 0 and v % 8 == 0, "hidden sizes are positive multiples of 8"),
-            ("hc", lambda v: 1 <= v <= MAX_HC_VALUE, f"hc is 1..{MAX_HC_VALUE}"),
+            ("hc", lambda v: 1 <= v <= MAX_HC, f"hc is 1..{MAX_HC}"),
             ("m", lambda v: 1 <= v <= CAPACITY, f"M is 1..{CAPACITY} (the capacity of the run's instances)"),
         )
         for name, ok, rule in rules:
@@ -272,10 +273,6 @@ class Filters:
     def axes(self, tp, hidden, hc, ops, variants) -> tuple:
         """The preset's axes with the given ones in their place."""
         return (self.tp or tp, self.hidden or hidden, self.hc or hc, self.op or ops, self.variant or variants)
-
-
-MAX_TP_SIZE = 8
-MAX_HC_VALUE = 8
 
 
 def _full_shapes(filters: Filters) -> list[Shape]:
