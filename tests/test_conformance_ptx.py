@@ -195,3 +195,19 @@ def test_compile_coverage_records_results(tmp_path):
     assert (tmp_path / result.ptx_file).read_text().count("ld.volatile.global.v4.b32") > 0
     assert result.to_dict()["checks"][0].keys() == {"name", "passed", "message"}
     assert isinstance(SPECS[0], PublishSpec)
+
+
+def test_ptx_snapshot_compares_all_but_symbol_names():
+    """scripts/ptx_snapshot.py (issue 16's guard): the same kernel under another module path
+    compares equal; one changed instruction does not."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "ptx_snapshot.py"
+    spec = importlib.util.spec_from_file_location("ptx_snapshot", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    ptx = "// generated\n.entry kernel_cutlass_kernel_mhc_arkernelsA_0(\n.param .u64 kernel_cutlass_kernel_mhc_arkernelsA_0_param_0)\n{ fma.rn.f32 %f1, %f2, %f3, %f4; }"
+    renamed = ptx.replace("mhc_arkernelsA", "mhc_arkernelsstagesB").replace("// generated", "// other compiler")
+    assert module.normalized(ptx) == module.normalized(renamed)
+    assert module.normalized(ptx) != module.normalized(renamed.replace("fma.rn.f32", "fma.rz.f32"))
