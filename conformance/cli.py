@@ -71,7 +71,7 @@ def _filters(args) -> Filters:
 def _cmd_run(args) -> int:
     from .run import RunOptions, execute, select_cases
 
-    from .run import parse_device, run_folder
+    from .run import parse_device, run_folder, writes_reports
     from .runner import PlantedFlip
 
     preset = Preset.QUICK if args.quick else Preset.FULL if args.full else Preset.DEFAULT
@@ -115,7 +115,8 @@ def _cmd_run(args) -> int:
         device = parse_device(options.device)
         if args.require_gpu and ((device is not None and device.type == "cpu") or options.plants):
             raise ValueError(f"--require-gpu with {'--plant' if options.plants else '--device cpu'}: no kernel case could run")
-        run_folder(options, label)
+        if writes_reports():
+            run_folder(options, label)
     except ValueError as error:
         print(f"mhc-ar-conformance run: {error}", file=sys.stderr)
         return EXIT_USAGE

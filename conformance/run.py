@@ -111,6 +111,13 @@ def _cuda_unavailable_reason() -> str:
     return "no CUDA device"
 
 
+def writes_reports() -> bool:
+    """Whether this process writes the run's folder: always, except under torchrun, where rank 0
+    alone does (the other ranks would find it already made)."""
+    world = torchrun_world()
+    return world is None or world[0] == 0
+
+
 def run_folder(options: RunOptions, preset: str) -> Path:
     """The run's folder, checked before anything runs: its parent must be creatable and
     writable, and an existing folder of the same run id is refused unless options.overwrite.
@@ -228,11 +235,14 @@ def execute(options: RunOptions, *, backend: KernelBackend | None = None) -> Run
         device = parse_device(options.device) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         backend = ImplementationBackend(options.impl, device)
     requested = parse_device(options.device) if backend is None else None
-    run_dir = run_folder(options, preset)
+    if writes_reports():
+        run_dir = run_folder(options, preset)
+        if run_dir.exists():  # options.overwrite: nothing of the earlier run stays
+            shutil.rmtree(run_dir)
+        (run_dir / "bundles").mkdir(parents=True, exist_ok=True)
+    else:  # a torchrun rank other than 0: it reports nothing
+        run_dir = Path(options.out) / (options.run_id or default_run_id(preset))
     run_id = run_dir.name
-    if run_dir.exists():  # options.overwrite: nothing of the earlier run stays
-        shutil.rmtree(run_dir)
-    (run_dir / "bundles").mkdir(parents=True, exist_ok=True)
     # Under torchrun (several processes), real TP: this process is one rank, rank 0 reports.
     world = None
     if backend is None and torchrun_world() is not None and torch.cuda.is_available() and options.device != "cpu":

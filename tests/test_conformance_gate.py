@@ -299,3 +299,16 @@ def test_linear_axis_ticks_are_few():
 
     assert [_fmt(t) for t in _ticks(1, 4, False)] == ["1", "1.5", "2", "2.5", "3", "3.5", "4"]
     assert len(_ticks(0, 17.5, False)) <= 8 and len(_ticks(1, 2, False)) <= 8
+
+
+def test_under_torchrun_only_rank_0_checks_and_makes_the_run_folder(tmp_path, capsys, monkeypatch):
+    """Every rank runs `run`; rank 0 alone writes, so a rank that finds rank 0's folder already
+    there must not call it a reused --run-id."""
+    (tmp_path / "tp2" / "bundles").mkdir(parents=True)  # as rank 0 would have made it
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert run_module.writes_reports() is False
+    code, _, err = _run(capsys, *FAST, "--device", "cpu", "--out", str(tmp_path), "--run-id", "tp2")
+    assert code == EXIT_PASS and "already holds a run" not in err
+    monkeypatch.setenv("RANK", "0")
+    assert run_module.writes_reports() is True
