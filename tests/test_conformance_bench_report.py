@@ -45,3 +45,25 @@ def test_report_holds_every_table(tmp_path):
     assert "<th>host probe: torch.empty(0) on the CPU</th>" in html and "<td>25.00</td>" in html
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert saved["mxfp8_diagnosis"][0]["m"] == 1 and len(saved["targets"]) == 7
+
+
+def test_the_compiled_chain_is_the_eager_chain_through_inductor():
+    """The bench's torch.compile baseline computes the eager chain's math (its own fusion and
+    rounding: equal within bf16 rounding, not byte for byte), with M dynamic (one compile, two M)."""
+    import torch
+
+    from conformance.bench import chain_math, compiled_math
+
+    g = torch.Generator().manual_seed(3)
+    for m in (3, 5):
+        xs = [torch.randn(m, 64, generator=g).bfloat16() for _ in range(2)]
+        residual = torch.randn(m, 4, 64, generator=g).bfloat16()
+        post, comb, pre = torch.rand(m, 4, generator=g) + 0.5, torch.rand(m, 4, 4, generator=g) / 4, torch.rand(m, 4, generator=g) / 4
+        weight = (1 + 0.1 * torch.randn(64, generator=g)).bfloat16()
+        eager = chain_math(xs, residual, post, comb, pre, weight, 1e-6)
+        compiled = compiled_math()(xs, residual, post, comb, pre, weight, 1e-6)
+        for e, c in zip(eager, compiled):
+            assert e.shape == c.shape and e.dtype == c.dtype == torch.bfloat16
+            # A few bf16 roundings apart (8 significant bits), against the tensor's scale: where
+            # a sum cancels, an element's own magnitude says nothing.
+            assert float((e.float() - c.float()).abs().max()) <= 2 ** -6 * float(e.float().abs().max())
