@@ -67,3 +67,12 @@ def test_the_compiled_chain_is_the_eager_chain_through_inductor():
             # A few bf16 roundings apart (8 significant bits), against the tensor's scale: where
             # a sum cancels, an element's own magnitude says nothing.
             assert float((e.float() - c.float()).abs().max()) <= 2 ** -6 * float(e.float().abs().max())
+
+
+def test_fused_bytes_count_every_stream_once():
+    from conformance.bench import fused_bytes
+
+    # tp=2, M=3, H=8, hc=2, by hand: x 48, mailbox writes 96, reads 96, re-arm 96, residual in 96,
+    # new_residual out 96, layer_input out 48; MXFP8 adds 24 value bytes and 0 whole scale bytes.
+    assert fused_bytes(2, 3, 8, 2, False) == 48 + 96 + 96 + 96 + 96 + 96 + 48 == 576
+    assert fused_bytes(2, 3, 8, 2, True) == 576 + 24
