@@ -6,10 +6,11 @@ explanation reproduces the first differing element exactly, with the reference's
 intermediates (reference.all_reduce_mhc(..., intermediates=True)), on the CPU:
 
 * new_residual differs at column (m, h): post_mix run on another y reproduces all hc targets of
-  the column? y from the unscrubbed contributions -> contribution (the -0.0 scrub); y from the
-  contributions summed in another rank order -> reduce; any y near the reference's (a few bf16
-  ulps, either zero) -> reduce (y itself differs: the reduce, or a contribution before it);
-  none -> post_mix.
+  the column? y from the unscrubbed contributions -> contribution (the -0.0 scrub); for a
+  finalize, y from route sums in another order (reversed, or the shared output first) ->
+  contribution; y from the contributions summed in another rank order -> reduce; any y near the
+  reference's (a few bf16 ulps, either zero) -> reduce (y itself differs: the reduce, or a
+  contribution before it); none -> post_mix.
 * else layer_input differs in row m: rms_norm of the reference's p with another inverse RMS
   (a few hundred fp32 ulps around it) reproduces the row -> rms_norm (the sum of squares, its
   order, the mean or the rsqrt); otherwise p itself differs -> collapse.
@@ -26,8 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from reference import all_reduce_mhc, bf16_rn, bf16_to_f32, post_mix, reduce
-from reference.exact import add_f32, mul_f32
+from reference import all_reduce_mhc, bf16_rn, bf16_to_f32, post_mix, reduce, scrub
+from reference.exact import add_f32, fma_f32, mul_f32
 
 from .runner import KernelOutputs
 
@@ -119,6 +120,11 @@ def _upstream_of_post_mix(record, mix, got_new_residual, ranks):
     if raw is not None and reproduces(_sum_from_first(raw)):
         return "contribution", (f"{where}: the streams follow from the contributions without the -0.0 scrub "
                                 "(summed from rank 0's value, as a plain all-reduce does)")
+    if raw is None:  # finalize: the weighted route sum in another order
+        for name, order in _FINALIZE_ORDERS.items():
+            candidates = [scrub(_finalize_element(r, m, h, order).reshape(1)) for r in ranks]
+            if reproduces(reduce(candidates)[0]):
+                return "contribution", f"{where}: the streams follow from each rank's finalize sum with {name}"
     for order in itertools.islice(itertools.permutations(range(len(contributions))), 1, _MAX_ORDERS):
         if reproduces(reduce([contributions[r].reshape(1) for r in order])[0]):
             return "reduce", f"{where}: the streams follow from the ranks summed in the order {list(order)}"
@@ -142,6 +148,28 @@ def _collapse_or_rms_norm(record, mix, tree, got_layer_input):
             return "rms_norm", (f"token {m}: the reference's p with inverse RMS {float(candidate)!r} instead of "
                                 f"{float(inv)!r} gives the row (the sum of squares, its order, the mean or the rsqrt)")
     return "collapse", f"token {m}: no inverse RMS gives the row from the reference's p: p itself differs"
+
+
+# Other orders of a finalize contribution a rewrite might use: (route order, shared first?).
+_FINALIZE_ORDERS = {"the routes in reverse order": ("reverse", False), "the shared output added first": ("forward", True)}
+
+
+def _finalize_element(rank, m: int, h: int, order) -> torch.Tensor:
+    """One element of a rank's finalize contribution, the routes taken `order[0]` and the shared
+    output added first when `order[1]` (the reference: forward, last)."""
+    direction, shared_first = order
+    routes = range(rank.expert_weights.shape[1])
+    if direction == "reverse":
+        routes = reversed(routes)
+    shared = bf16_to_f32(rank.shared_output[m, h].reshape(1))
+    acc = shared if shared_first else torch.zeros(1, dtype=torch.float32)
+    for k in routes:
+        row = int(rank.expanded_idx_to_permuted_idx[m, k])
+        if row >= 0:
+            acc = fma_f32(rank.expert_weights[m, k].reshape(1), bf16_to_f32(rank.gemm2_permuted[row, h].reshape(1)), acc)
+    if not shared_first:
+        acc = add_f32(acc, shared)
+    return bf16_rn(acc)[0]
 
 
 def _sum_from_first(values) -> torch.Tensor:

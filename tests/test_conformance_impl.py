@@ -65,6 +65,13 @@ def test_a_skipped_scrub_is_caught_at_the_contribution():
     assert result.divergence["ulps"]["new_residual"]["sign/NaN/Inf"] >= 1
 
 
+def test_finalize_routes_in_reverse_are_caught_at_the_contribution():
+    result = _run("wrong_implementations:routes_reversed", "tp2-H4096-hc4-M5-finalize-full-order_sensitive")
+    print(result.summary(), result.divergence["detail"])
+    assert result.status.value == "mismatch"
+    assert result.divergence["stage"] == "contribution" and "routes in reverse order" in result.divergence["detail"]
+
+
 def test_a_collapse_rounded_twice_is_caught_at_the_collapse():
     result = _run("wrong_implementations:collapse_rounded_twice", "tp2-H4096-hc4-M3-call-full-normal")
     print(result.summary(), result.divergence["detail"])

@@ -63,6 +63,20 @@ class NoScrub(_Staged):
         return bf16_rn(s)
 
 
+class RoutesReversed(_Staged):
+    """Takes a finalize's routes from the last to the first."""
+
+    def contributions(self, ranks):
+        if not ranks[0].is_finalize:
+            return super().contributions(ranks)
+        out = []
+        for r in ranks:
+            flip = lambda t: t.flip(1).contiguous()  # noqa: E731
+            out.append(scrub(finalize_contribution(r.gemm2_permuted, flip(r.expert_weights), flip(r.expanded_idx_to_permuted_idx),
+                                                   r.shared_output)))
+        return out
+
+
 class CollapseRoundedTwice(_Staged):
     """Rounds the collapse accumulator to bf16 after every fma, not only at the end."""
 
@@ -86,6 +100,10 @@ def reverse_rank_sum(**kwargs):
 
 def no_scrub(**kwargs):
     return NoScrub(**kwargs)
+
+
+def routes_reversed(**kwargs):
+    return RoutesReversed(**kwargs)
 
 
 def collapse_rounded_twice(**kwargs):
