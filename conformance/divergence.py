@@ -30,6 +30,7 @@ import torch
 from reference import all_reduce_mhc, bf16_rn, bf16_to_f32, post_mix, reduce, scrub
 from reference.exact import add_f32, fma_f32, mul_f32
 
+from .compare import integer_view
 from .runner import KernelOutputs
 
 STAGES = ("contribution", "reduce", "post_mix", "collapse", "rms_norm", "mxfp8")
@@ -94,7 +95,7 @@ def _cpu_mix(inputs):
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+    return integer_view(t.contiguous())
 
 
 def _differs(want, got) -> bool:

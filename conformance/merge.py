@@ -12,7 +12,6 @@ else 0; 2 on bad usage.
 from __future__ import annotations
 
 import argparse
-import html
 import json
 import sys
 from collections import defaultdict
@@ -21,15 +20,11 @@ from typing import Sequence
 import xml.etree.ElementTree as ET
 
 from .cases import OPS, VARIANTS
-from .report import _CSS
+from .report import _CSS, _e, _status_class
 from .schema import RESULTS_SCHEMA, RESULTS_SCHEMA_VERSION, SchemaError, validate
 
 MERGE_SCHEMA_VERSION = 1
 _STATUSES = ("pass", "mismatch", "error", "not_run")
-
-
-def _e(value) -> str:
-    return html.escape(str(value))
 
 
 def load_results(path: Path) -> dict:
@@ -76,16 +71,6 @@ def merge(results: Sequence[dict]) -> dict:
             "cases": cases, "failed": any(r["counts"]["mismatch"] or r["counts"]["error"] for r in runs)}
 
 
-def _cell_class(statuses: list[str]) -> str:
-    if not statuses:
-        return "empty"
-    if "mismatch" in statuses or "error" in statuses:
-        return "fail"
-    if all(s == "pass" for s in statuses):
-        return "pass"
-    return "notrun" if all(s == "not_run" for s in statuses) else "partial"
-
-
 def render_merged_html(merged: dict) -> str:
     runs = merged["runs"]
     head = "<tr><th>run</th><th>verdict</th><th>judged</th><th>GPU</th><th>torch</th><th>cutlass-dsl</th><th>commit</th><th>started</th>" + \
@@ -130,7 +115,7 @@ def render_merged_html(merged: dict) -> str:
                         statuses = per_run.get(run["label"])
                         if statuses:
                             passed = statuses.count("pass")
-                            parts.append(f'<div class="{_cell_class(statuses)}">R{i + 1} {passed}/{len(statuses)}</div>')
+                            parts.append(f'<div class="{_status_class(statuses)}">R{i + 1} {passed}/{len(statuses)}</div>')
                     t.append(f'<td>{"".join(parts)}</td>' if parts else '<td class="empty"></td>')
             t.append("</tr>")
         t.append("</table>")

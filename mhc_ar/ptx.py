@@ -208,7 +208,7 @@ def mul_lo_u32(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
 @dsl_user_op
 def add_u32(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
     """a + b mod 2^32. Inline, so the compiler keeps the fingerprint's sum the balanced tree it is
-    written as (a serial chain of 20 dependent steps would delay the tag store)."""
+    written as (not a serial chain of one dependent step per coefficient before the tag store)."""
     ops = _ir([Uint32(a), Uint32(b)], loc, ip)
     return Uint32(_asm(T.i32(), ops, "add.u32 $0, $1, $2;", "=r,r,r", side_effects=False, loc=loc, ip=ip))
 

@@ -283,7 +283,6 @@ class ConsumerKernel:
                 if cutlass.const_expr(self.has_mxfp8 and "mxfp8_block" not in spec.omit):
                     self._mxfp8_block(out, row, vector, column, lane, valid, mx_values, mx_scales)
 
-
     # ------------------------------------------------------------------------------------------
 
     @cute.jit
