@@ -47,6 +47,10 @@ CALLS = 6
 IN_STEP = 2  # calls 0 (call) and 1 (finalize): every kernel launched once, checked, before the rest
 # The first call at which the ranks' sequences differ, per scenario.
 FIRST_OUT_OF_STEP = {"reject": IN_STEP, "m_differs": IN_STEP, "skip": IN_STEP, "op_differs": IN_STEP}
+# CUDA objects of every call stay referenced until os._exit: after a trap, their destructors raise
+# and would abort the process.
+_KEEP = []
+HANG_S = 15  # a process still running this long after its peer left is reported hung
 UNWRITTEN = 0x7FA1  # bf16 bits the host copies start as (neither the poison nor a kernel NaN)
 
 
@@ -109,8 +113,9 @@ def prepare(rank: int, steps, device, tree):
 
 
 def launch_all(op, rank: int, prepared, stream_context, start: float):
-    """Every call of this rank, no host sync between them; returns what to check per call, and
-    False if a launch itself failed (the CUDA context is gone)."""
+    """Every call of this rank, no host sync between them. Returns what to check per call, and
+    the launch failure (call, seconds, message) if a launch itself raised (a trap that surfaced
+    there: the CUDA context is gone), else None."""
     launched = []
     for k, action, c, inputs, outputs, ref, host in prepared:
         with stream_context():
@@ -123,15 +128,14 @@ def launch_all(op, rank: int, prepared, stream_context, start: float):
                 raise AssertionError("the misaligned x was not rejected")
             try:
                 call_rank(op, c, inputs, rank, outputs)
-            except RuntimeError as error:  # a trap surfaced at a launch
-                print(f"rank {rank} ERROR at call {k} after {time.perf_counter() - start:.2f} s: (launch) {_first_line(error)}", flush=True)
-                return launched, False
-            for name, copy in host.items():  # queued behind the call on this rank's stream
-                copy.copy_(getattr(outputs, name)[rank], non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
+                for name, copy in host.items():  # queued behind the call on this rank's stream
+                    copy.copy_(getattr(outputs, name)[rank], non_blocking=True)
+                done = torch.cuda.Event()
+                done.record()
+            except Exception as error:  # CUDA's error class differs by layer (torch, the DSL's runtime)
+                return launched, (k, time.perf_counter() - start, "(launch) " + _first_line(error))
         launched.append((k, host, ref, done))
-    return launched, True
+    return launched, None
 
 
 def _first_line(error: BaseException) -> str:
@@ -139,9 +143,9 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def check_all(rank: int, launched, start: float, last: bool = True) -> bool:
+def check_all(rank: int, launched, start: float, last: bool = True, launch_failure=None) -> bool:
     """Wait for the calls, then compare every call whose outputs reached the host; False once
-    the CUDA context has failed."""
+    the CUDA context has failed (seen while waiting, or at a launch: `launch_failure`)."""
     failure = None  # (seconds, message) when the host saw the context fail
     for _, _, _, done in launched:
         try:
@@ -149,6 +153,8 @@ def check_all(rank: int, launched, start: float, last: bool = True) -> bool:
         except Exception as error:  # a trap: the CUDA context is gone
             failure = (time.perf_counter() - start, _first_line(error))
             break
+    if failure is None and launch_failure is not None:
+        failure = launch_failure[1:]
     for k, host, ref, _ in launched:
         if failure is not None and all(_unwritten(copy) for copy in host.values()):
             print(f"rank {rank} ERROR at call {k} after {failure[0]:.2f} s: {failure[1]}", flush=True)
@@ -159,6 +165,9 @@ def check_all(rank: int, launched, start: float, last: bool = True) -> bool:
             if mismatch is not None and problem is None:
                 problem = mismatch.describe()
         print(f"rank {rank} call {k}: " + ("ok" if problem is None else f"WRONG {problem}"), flush=True)
+    if launch_failure is not None:  # every launched call finished; the next launch raised
+        print(f"rank {rank} ERROR at call {launch_failure[0]} after {launch_failure[1]:.2f} s: {launch_failure[2]}", flush=True)
+        return False
     if failure is not None:  # every call of this rank had finished: a peer's call failed
         print(f"rank {rank} ERROR after its last call, {failure[0]:.2f} s: {failure[1]}", flush=True)
         return False
@@ -182,17 +191,27 @@ def run_streams(scenario: str, mode: str) -> None:
     tree = ReductionTree(**ops[0].consumer_tiling.reduction_tree_args())
     prepared = [prepare(r, plan(scenario, r), device, tree) for r in range(TP)]
     torch.cuda.synchronize(device)
-    # The in-step calls first (run and checked), then everything else at once.
-    for part in (slice(0, IN_STEP), slice(IN_STEP, None)):
+    # The in-step calls first, launched call by call across the ranks and checked (so the first
+    # launch of each kernel, which CUDA loads lazily and which may wait for the whole context,
+    # never waits behind a consumer spinning for a rank not yet launched); then everything else
+    # at once, rank by rank. A launch that raises stops the launches (the context is gone); what
+    # was launched is still checked.
+    in_step = [[prepared[r][k : k + 1] for r in range(TP)] for k in range(IN_STEP)]
+    out_of_step = [[prepared[r][IN_STEP:] for r in range(TP)]]
+    for part, groups in (("in step", in_step), ("out of step", out_of_step)):
         start = time.perf_counter()
-        launched = []
+        launched, failures = [[] for _ in range(TP)], [None] * TP
+        for group in groups:
+            for r in range(TP):
+                calls, failures[r] = launch_all(ops[r], r, group[r], lambda r=r: ranks.on(r), start)
+                launched[r] += calls
+                if failures[r] is not None:
+                    break
+            if any(failures):
+                break
+        _KEEP.append(launched)
         for r in range(TP):
-            calls, ok = launch_all(ops[r], r, prepared[r][part], lambda r=r: ranks.on(r), start)
-            if not ok:
-                return
-            launched.append(calls)
-        for r in range(TP):
-            if not check_all(r, launched[r], start, last=part.start == IN_STEP):
+            if not check_all(r, launched[r], start, last=part == "out of step", launch_failure=failures[r]):
                 return
 
 
@@ -234,8 +253,9 @@ def _ipc_rank(rank: int, scenario: str, mode: str, mailboxes, barrier) -> None:
     barrier.wait()
     for part in (slice(0, IN_STEP), slice(IN_STEP, None)):  # the in-step calls first, as run_streams does
         start = time.perf_counter()
-        launched, ok = launch_all(op, rank, prepared[part], contextlib.nullcontext, start)
-        if not ok or not check_all(rank, launched, start, last=part.start == IN_STEP):
+        launched, failure = launch_all(op, rank, prepared[part], contextlib.nullcontext, start)
+        _KEEP.append(launched)
+        if not check_all(rank, launched, start, last=part.start == IN_STEP, launch_failure=failure):
             break
 
 
@@ -255,11 +275,22 @@ def run_ipc(scenario: str, mode: str) -> None:
     workers = [ctx.Process(target=ipc_worker, args=(r, scenario, mode, mailboxes, barrier)) for r in range(TP)]
     for w in workers:
         w.start()
-    for w in workers:
-        w.join(timeout=30)
-        if w.is_alive():
-            w.kill()
-            print(f"rank {workers.index(w)} HUNG: no exit 30 s after the others", flush=True)
+    # When each process left (so a rank that hangs is seen hanging after its peer was gone).
+    start, first_exit = time.perf_counter(), None
+    running = dict(enumerate(workers))
+    while running:
+        for r, w in list(running.items()):
+            if not w.is_alive():
+                now = time.perf_counter() - start
+                first_exit = now if first_exit is None else first_exit
+                print(f"rank {r} process exited at {now:.1f} s (exit code {w.exitcode})", flush=True)
+                del running[r]
+        if first_exit is not None and time.perf_counter() - start > first_exit + HANG_S:
+            for r, w in running.items():
+                w.kill()
+                print(f"rank {r} HUNG: no exit {HANG_S} s after its peer's", flush=True)
+            break
+        time.sleep(0.05)
 
 
 if __name__ == "__main__":
@@ -268,3 +299,6 @@ if __name__ == "__main__":
     if scenario not in FIRST_OUT_OF_STEP or mode not in ("check", "nocheck") or transport not in ("streams", "ipc"):
         raise SystemExit(__doc__)
     (run_streams if transport == "streams" else run_ipc)(scenario, mode)
+    # No teardown: after a trap, destructors of CUDA objects (events) raise and abort the process.
+    sys.stdout.flush()
+    os._exit(0)
