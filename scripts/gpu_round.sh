@@ -38,7 +38,7 @@ for step in "${steps[@]}"; do
         # The full concurrent stress: TP 2, 3, 4, 8; 10,000 calls per rank; 100 graph replays.
         stress) run stress 540 $PY -m conformance.stress ;;
         # The multi-process tests with CUDA MPS running, so the processes' kernels overlap for real.
-        mps) run mps 300 bash -c 'nvidia-cuda-mps-control -d && sleep 2 && python3 -m pytest -q -s -p no:cacheprovider -m gpu \
+        mps) run mps 300 bash -c 'ulimit -c 0; nvidia-cuda-mps-control -d && sleep 2 && python3 -m pytest -q -s -p no:cacheprovider -m gpu \
                  tests/test_gpu_out_of_step.py tests/test_gpu_unicast.py -k "ipc or processes"; rc=$?; echo quit | nvidia-cuda-mps-control; exit $rc' ;;
         # Same-run cost of the protocol change: this tree against the package before it, copied
         # as .before/mhc_ar_before (scripts/protocol_cost.py says how).
@@ -52,9 +52,11 @@ for step in "${steps[@]}"; do
         full-b) run full-b 560 $PY -m conformance run --full --tp 4,8 --require-gpu --out "$OUT/reports" --run-id full-tp4-8 \
                     --no-progress --skip-compile-checks --skip-reference-checks ;;
         # Out-of-step scenarios one by one, with their full output (the pytest file runs them all).
-        out-of-step) for s in reject m_differs skip op_differs; do for t in streams ipc; do
-                         run "oos-$s-check-$t" 100 $PY tests/out_of_step.py $s check $t; done
-                         run "oos-$s-nocheck-streams" 100 $PY tests/out_of_step.py $s nocheck streams; done ;;
+        # (Two processes run under MPS only: without it the rank whose peer trapped hangs; see
+        # the mps step, and README "Ranks out of step".)
+        out-of-step) for s in reject m_differs skip op_differs; do
+                         run "oos-$s-check-streams" 60 $PY tests/out_of_step.py $s check streams
+                         run "oos-$s-nocheck-streams" 60 $PY tests/out_of_step.py $s nocheck streams; done ;;
         bench) run bench 420 $PY -m conformance.bench --out "$OUT/bench" ;;
         # The eager table alone (with the H5120 rows it is reported beside), e.g. twice in a round.
         eager) run "eager-$SECONDS" 300 $PY -m conformance.bench --hidden 5120 --m 1,16,128 --tp "" --out "$OUT/bench-eager-$SECONDS" ;;
