@@ -11,7 +11,8 @@ op_differs (call 2: rank 0 calls, rank 1 finalizes).
 MODE: check (the production consumer) or nocheck (the diagnostic build without the call-tag
 comparison: what the protocol did before it).
 TRANSPORT: streams (mhc_ar.concurrent: two virtual ranks on their own streams, one process) or
-ipc (two processes sharing the GPU through CUDA IPC mailboxes).
+ipc (two processes sharing the GPU through CUDA IPC mailboxes; run it under CUDA MPS: without
+it the processes time-slice, and the rank whose peer trapped was measured to hang).
 
 Every rank launches all its calls with no host synchronization between them, each followed on
 its stream by a copy of its outputs into pinned host memory, then waits. Each call whose copy
@@ -21,6 +22,7 @@ whose outputs never arrived is the one the error is reported at. Lines:
     rank R call K: ok | WRONG <first difference> | rejected: <ValueError>
     rank R ERROR at call K after S s: <CUDA error>   (S: when the host saw the error)
     rank R DONE
+    rank R process exited at S s (exit code C) | rank R HUNG: ...   (ipc: the parent's view)
 """
 
 from __future__ import annotations
