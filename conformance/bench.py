@@ -440,10 +440,12 @@ def eager_breakdown_us(op, inputs: Inputs, *, emulated: bool) -> dict:
     return parts
 
 
-def _format_row(row: Row) -> str:
-    def f(v):
-        return "-" if v is None else f"{v:.2f}"
+def _us(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
+
+def _format_row(row: Row) -> str:
+    f = _us
     ratio = row.unfused_us / row.fused_us if row.unfused_us else float("nan")
     return (
         f"H{row.hidden} M{row.m}: fused {f(row.fused_us)} us, mxfp8 {f(row.fused_mxfp8_us)} us, publish {f(row.publish_us)} us, "
@@ -526,10 +528,6 @@ def targets(result: BenchResult) -> list[tuple[str, bool | None, str]]:
             measured += f" (host probe {probe:.2f} us)"
         checks.append(("eager call overhead < 20 us at M=1", result.eager_us["1"] < 20.0, measured))
     return checks
-
-
-def _us(value) -> str:
-    return "-" if value is None else f"{value:.2f}"
 
 
 def _eager_table(eager_us: dict) -> str:

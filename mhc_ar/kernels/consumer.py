@@ -189,8 +189,10 @@ class ConsumerKernel:
         if cutlass.const_expr(self.has_norm):
             pre_t = [ptx.ld_global_f32(pre + (row * hc + t) * _F32_BYTES) for t in range(hc)]
 
-        # One load per thread: measured faster here than one per CTA through shared memory (the
-        # publish reads its state words once per CTA; session 11, notes/device-log.md).
+        # One load per thread (the publish reads its state words once per CTA, through shared
+        # memory). Here one per CTA through shared memory measured no faster (equal within noise
+        # in session 12's cost table, slower in session 11's; notes/device-log.md), and it needs
+        # a barrier.
         state_address = state.iterator.toint()
         generation = Int64(ptx.ld_volatile_u32(state_address + CONSUME_GENERATION * STATE_WORD_BYTES))
         cute.arch.griddepcontrol_launch_dependents()
