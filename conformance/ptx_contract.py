@@ -424,7 +424,7 @@ def check_consumer_ptx(ptx: str, variant: Variant) -> list[PtxCheck]:
     return checks
 
 
-def check_publish_ptx(ptx: str, contribution: Contribution, multicast: bool, tp: int) -> list[PtxCheck]:
+def check_publish_ptx(ptx: str, contribution: Contribution, multicast: bool, tp: int, top_k: int = 0) -> list[PtxCheck]:
     kernel = _Kernel(ptx)
     stores = kernel.count("st.global.v4.b32")
     multimem = kernel.matching(lambda i: i.opcode.startswith("multimem."))
@@ -466,14 +466,44 @@ def check_publish_ptx(ptx: str, contribution: Contribution, multicast: bool, tp:
             _present(kernel, "fma.rn.f32", "acc = fma(w_k, gemm2[idx_k], acc)"),
             _present(kernel, "add.rn.f32", "acc + shared_output"),
             _present(kernel, "cvt.rn.bf16x2.f32", "one rounding of the contribution"),
+            *_route_bounds(kernel, top_k),
         ]
     return checks
+
+
+def _route_bounds(kernel: _Kernel, top_k: int) -> list[PtxCheck]:
+    """gemm2_permuted is never read outside its rows (mhc_ar.routes): each route's row load is
+    predicated, the index is compared with a register (the row count, not a constant), and each
+    route may count itself invalid with one atomic add."""
+    loads = kernel.matching(lambda i: i.opcode == "ld.global.v4.b32")
+    guarded = [i for i in loads if i.guarded]
+    # The route indices: the unpredicated 32-bit loads (the fingerprint's are predicated).
+    indices = {_operands(i)[0] for i in kernel.matching(lambda i: i.opcode == "ld.global.b32" and not i.guarded)}
+    upper = kernel.matching(lambda i: i.opcode in ("setp.lt.s32", "setp.ge.s32") and _operands(i)[1] in indices
+                            and _operands(i)[2].startswith("%"))
+    red = kernel.count("red.relaxed.gpu.global.add.u32")
+    return [
+        PtxCheck(f"{top_k} predicated gemm2 row loads", len(guarded) == top_k,
+                 f"{len(guarded)} of {len(loads)} ld.global.v4.b32 guarded, expected one per route (top_k={top_k}): "
+                 "an index outside 0 .. rows-1 reads nothing"),
+        PtxCheck("route index compared with the row count", len(upper) >= top_k,
+                 f"{len(upper)} setp.lt/ge.s32 of a loaded route index against a register, expected one per route "
+                 "(idx < gemm2_rows)"),
+        PtxCheck(f"{top_k} x red.relaxed.gpu.global.add.u32", red == top_k,
+                 f"found {red}, expected one per route (the invalid-route counter)"),
+    ]
+
+
+def _operands(instruction: Instruction) -> list[str]:
+    """Comma-separated operands, padded to three ('' where absent)."""
+    operands = [o.strip() for o in instruction.operands.rstrip(";").split(",")]
+    return operands + [""] * (3 - len(operands))
 
 
 def check_ptx(spec, ptx: str) -> list[PtxCheck]:
     """The contract checks of one compiled kernel (PublishSpec or ConsumerSpec)."""
     if isinstance(spec, PublishSpec):
-        return check_publish_ptx(ptx, spec.contribution, spec.multicast, spec.tp)
+        return check_publish_ptx(ptx, spec.contribution, spec.multicast, spec.tp, spec.top_k)
     if isinstance(spec, ConsumerSpec):
         return check_consumer_ptx(ptx, spec.variant)
     raise ValueError(f"spec must be a PublishSpec or ConsumerSpec, got {type(spec).__name__}")

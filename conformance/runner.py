@@ -27,7 +27,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from mhc_ar.config import Contribution, Variant, choose_consumer_tiling, mxfp8_scale_bytes
-from reference import ReductionTree, ReferenceOutputs, all_reduce_mhc
+from reference import ReductionTree, ReferenceOutputs, all_reduce_mhc, invalid_routes
 
 from .cases import Case
 from .compare import Mismatch, first_mismatch
@@ -174,6 +174,7 @@ class EmulatedKernelBackend:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._key = None
         self._instance = None
+        self._routes_seen = None
 
     def instance(self, case: Case):
         if case.instance_key != self._key:
@@ -187,6 +188,7 @@ class EmulatedKernelBackend:
     def close(self) -> None:
         self._instance = None
         self._key = None
+        self._routes_seen = None
         gc.collect()
         torch.cuda.empty_cache()
 
@@ -203,7 +205,20 @@ class EmulatedKernelBackend:
         stop.record()
         torch.cuda.synchronize(self.device)
         self.last_kernel_gpu_s = start.elapsed_time(stop) / 1e3
+        if case.op is Contribution.FINALIZE:
+            self._check_route_counts(instance, inputs)
         return outputs
+
+    def _check_route_counts(self, instance, inputs: CaseInputs) -> None:
+        """The device's invalid-route count (mhc_ar.routes) must have grown, per rank, by what the
+        reference counts in this case's routes (0 for every generated case)."""
+        counts = instance.invalid_routes()
+        seen = self._routes_seen or [0] * len(counts)
+        new = [c - s for c, s in zip(counts, seen)]
+        self._routes_seen = counts
+        want = [invalid_routes(r.expanded_idx_to_permuted_idx, r.gemm2_permuted.shape[0]) for r in inputs.ranks]
+        if new != want:
+            raise RuntimeError(f"invalid-route count per rank {new} after this call, the reference counts {want}")
 
 
 def call_emulated(obj, case: Case, inputs: CaseInputs, outputs: KernelOutputs) -> None:

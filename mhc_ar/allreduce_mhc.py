@@ -15,6 +15,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from . import routes as routes_check
 from . import validation as check
 from .compile import compile_consumer, compile_publish, compile_publish_then_consume, compile_tensor_launcher
 from .config import (
@@ -29,6 +30,8 @@ from .config import (
 )
 from .transport import RankEndpoint, emulated_endpoints, make_transport, multicast_endpoint, unicast_endpoint
 
+INT32_MAX = 2**31 - 1
+
 
 class _Launch(NamedTuple):
     """Validated addresses of one rank's call, ready to launch (a tuple: cheap to build)."""
@@ -37,6 +40,7 @@ class _Launch(NamedTuple):
     mix: tuple[int, int, int, int, int]  # residual, post, comb, pre, norm_weight
     outputs: tuple[int, int, int, int]  # new_residual, layer_input, mx_values, mx_scales
     results: tuple  # what the caller gets back
+    gemm2_rows: int = 0  # gemm2_permuted's row count (finalize): the publish reads no row past it
 
 
 class CallValidator:
@@ -77,13 +81,16 @@ class CallValidator:
         h, k, dev = self.hidden_size, self.top_k, self.device
         if not isinstance(gemm2, torch.Tensor) or gemm2.dim() != 2:
             raise ValueError("gemm2_permuted must be a 2-D [rows, hidden_size] tensor")
+        if gemm2.shape[0] > INT32_MAX:
+            raise ValueError(f"gemm2_permuted has {gemm2.shape[0]} rows; at most {INT32_MAX} (int32 route indices)")
         contribution = (
             check.check_tensor(shared, "shared_output", shape=(m, h), dtype=torch.bfloat16, device=dev),
             check.check_tensor(gemm2, "gemm2_permuted", shape=(gemm2.shape[0], h), dtype=torch.bfloat16, device=dev),
             check.check_tensor(weights, "expert_weights", shape=(m, k), dtype=torch.float32, device=dev),
             check.check_tensor(routes, "expanded_idx_to_permuted_idx", shape=(m, k), dtype=torch.int32, device=dev),
         )
-        return self._check_mix(contribution, _finalize_sources(gemm2, weights, routes, shared), m, mix, eps, mxfp8_out, out)
+        launch = self._check_mix(contribution, _finalize_sources(gemm2, weights, routes, shared), m, mix, eps, mxfp8_out, out)
+        return launch._replace(gemm2_rows=gemm2.shape[0])
 
     def _check_mix(self, contribution, sources, m, mix, eps, mxfp8_out, out) -> _Launch:
         residual, post, comb, pre, norm_weight = mix
@@ -220,7 +227,7 @@ class _Engine:
     def publish(self, endpoint: RankEndpoint, launch: _Launch, tokens: int, finalize: bool, rejected: int = 0) -> None:
         """The publish alone; `rejected`: this rank's calls rejected since its last launch."""
         post = launch.mix[1]
-        self._publish[finalize](*launch.contribution, post, *endpoint.publish_arguments, tokens, rejected)
+        self._publish[finalize](*launch.contribution, post, *endpoint.publish_arguments, tokens, rejected, launch.gemm2_rows)
 
     def consume(self, endpoint: RankEndpoint, launch: _Launch, eps: float, tokens: int) -> None:
         self._consume(endpoint.mailbox_address, endpoint.state, *launch.mix, *launch.outputs, eps, tokens)
@@ -228,7 +235,7 @@ class _Engine:
     def launcher(self, endpoint: RankEndpoint, finalize: bool):
         """One rank's whole call as one host call, its per-rank arguments bound:
         launcher(endpoint, finalize)(*launch.contribution, *launch.mix, *launch.outputs, eps, M,
-        rejected).
+        rejected, launch.gemm2_rows).
         Needs an engine built `together`."""
         return functools.partial(self._both[finalize], *endpoint.publish_arguments, endpoint.mailbox_address)
 
@@ -307,6 +314,7 @@ class AllReduceMHC:
         group=None,
         transport: Transport | str = Transport.UNICAST,
         spin_timeout_s: float = DEFAULT_SPIN_TIMEOUT_NS / 1e9,
+        check_routes: bool | None = None,
     ):
         import torch.distributed as dist
 
@@ -331,8 +339,10 @@ class AllReduceMHC:
             spin_timeout_s=spin_timeout_s,
             together=True,
         )
+        check_routes = routes_check.check_enabled(check_routes)
         make_endpoint = multicast_endpoint if transport is Transport.MULTICAST else unicast_endpoint
         self._bind(engine, make_endpoint(group, max_num_tokens, hidden_size, device))
+        self._check_routes = check_routes
 
     @classmethod
     def _for_endpoint(cls, engine: "_Engine", endpoint: RankEndpoint) -> "AllReduceMHC":
@@ -363,10 +373,18 @@ class AllReduceMHC:
         # next publish tags its data with (mhc_ar.protocol), so a call refused on this rank alone
         # leaves it visibly out of step with its peers instead of silently one call behind.
         self._rejected = 0
+        self._check_routes = routes_check.check_enabled(None)
+        self._invalid_routes_seen = 0
 
     @property
     def consumer_tiling(self):
         return self._engine.consumer_spec.tiling
+
+    def invalid_routes(self) -> int:
+        """How many expanded_idx_to_permuted_idx entries of this rank's finalize calls so far were
+        neither -1 nor a row of gemm2_permuted (each skipped as -1; mhc_ar.routes). Synchronizes
+        the device."""
+        return routes_check.read_counts([self._endpoint.state], self._engine.validator.device)[0]
 
     def __call__(self, x, residual, post, comb, pre=None, norm_weight=None, eps: float = 1e-6, *, mxfp8_out=None, out=None):
         """x [M, H] bf16 (this rank's partial); residual [M, hc, H] bf16; post [M, hc] fp32;
@@ -377,7 +395,7 @@ class AllReduceMHC:
             if results is not None:
                 return results
         launch = self._validated(self._check_call, x, (residual, post, comb, pre, norm_weight), eps, mxfp8_out, out)
-        self._launch_call(*launch.contribution, *launch.mix, *launch.outputs, float(eps), x.shape[0], self._rejected)
+        self._launch_call(*launch.contribution, *launch.mix, *launch.outputs, float(eps), x.shape[0], self._rejected, 0)
         self._rejected = 0
         return launch.results
 
@@ -405,13 +423,25 @@ class AllReduceMHC:
             tensors = (shared_output, gemm2_permuted, expert_weights, routes, residual, post, comb, pre, norm_weight)
             results = self._launch_fresh(self._finalize_tensors, shared_output, tensors, eps)
             if results is not None:
+                if self._check_routes:
+                    self._raise_on_invalid_routes(routes, gemm2_permuted.shape[0])
                 return results
         mix = (residual, post, comb, pre, norm_weight)
         check = self._engine.validator.check_finalize
         launch = self._validated(check, gemm2_permuted, expert_weights, routes, shared_output, mix, eps, mxfp8_out, out)
-        self._launch_finalize(*launch.contribution, *launch.mix, *launch.outputs, float(eps), shared_output.shape[0], self._rejected)
+        self._launch_finalize(*launch.contribution, *launch.mix, *launch.outputs, float(eps), shared_output.shape[0], self._rejected,
+                              launch.gemm2_rows)
         self._rejected = 0
+        if self._check_routes:
+            self._raise_on_invalid_routes(routes, launch.gemm2_rows)
         return launch.results
+
+    def _raise_on_invalid_routes(self, routes, rows: int) -> None:
+        """The debug mode, after a finalize: ValueError if its publish counted invalid entries."""
+        count = self.invalid_routes()
+        new, self._invalid_routes_seen = count - self._invalid_routes_seen, count
+        if new:
+            raise routes_check.invalid_route_error(routes, rows, new)
 
     def _validated(self, check, *args) -> _Launch:
         """CallValidator's verdict; a rejected call counts in the call sequence (see _bind)."""
@@ -471,6 +501,7 @@ class EmulatedAllReduceMHC:
         quantize_layer_input: bool = False,
         residual_only: bool = False,
         spin_timeout_s: float = DEFAULT_SPIN_TIMEOUT_NS / 1e9,
+        check_routes: bool | None = None,
     ):
         if isinstance(tp_size, bool) or not isinstance(tp_size, int):
             raise ValueError(f"tp_size must be an int, got {type(tp_size).__name__}")
@@ -489,6 +520,8 @@ class EmulatedAllReduceMHC:
         self.endpoints = emulated_endpoints(tp_size, max_num_tokens, hidden_size, device)
         self.tp_size = tp_size
         self._rejected = 0  # calls rejected since the last launch (as AllReduceMHC's, every rank)
+        self._check_routes = routes_check.check_enabled(check_routes)
+        self._invalid_routes_seen = [0] * tp_size
 
     @property
     def consumer_tiling(self):
@@ -538,7 +571,23 @@ class EmulatedAllReduceMHC:
     ):
         arguments = (gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx, shared_output, residual, post, comb, pre, norm_weight, eps, mxfp8_out, out)
         launches, tokens = self._counted(self._check_finalizes, *arguments)
-        return self._run(launches, tokens, float(eps), finalize=True)
+        results = self._run(launches, tokens, float(eps), finalize=True)
+        if self._check_routes:
+            self._raise_on_invalid_routes(_per_rank(expanded_idx_to_permuted_idx, "expanded_idx_to_permuted_idx", self.tp_size),
+                                          [launch.gemm2_rows for launch in launches])
+        return results
+
+    def invalid_routes(self) -> list[int]:
+        """Per virtual rank, as AllReduceMHC.invalid_routes. Synchronizes the device."""
+        return routes_check.read_counts([endpoint.state for endpoint in self.endpoints], self._engine.validator.device)
+
+    def _raise_on_invalid_routes(self, routes, rows) -> None:
+        counts = self.invalid_routes()
+        new = [c - seen for c, seen in zip(counts, self._invalid_routes_seen)]
+        self._invalid_routes_seen = counts
+        for r, n in enumerate(new):
+            if n:
+                raise routes_check.invalid_route_error(routes[r], rows[r], n, name=f"expanded_idx_to_permuted_idx[{r}]")
 
     def _check_finalizes(self, gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx, shared_output, residual, post, comb, pre, norm_weight, eps, mxfp8_out, out):
         tp, engine = self.tp_size, self._engine
@@ -577,6 +626,7 @@ class EmulatedAllReduceMHC:
         for endpoint in self.endpoints:
             endpoint.reset()
         self._rejected = 0
+        self._invalid_routes_seen = [0] * self.tp_size
 
 
 def _per_rank_pairs(value, name: str, tp: int) -> list:

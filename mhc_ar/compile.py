@@ -71,7 +71,7 @@ def compile_publish(spec: PublishSpec, arch: str | None = None, keep_ptx: bool =
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     addresses = [zero] * 5 + [_fake_state()] + [zero] * 9  # source..post, state, 8 peers, multicast
     function = _compile(
-        PublishKernel(spec), *addresses, Int32(0), Int32(1), Int32(0), stream, arch=arch, keep_ptx=keep_ptx
+        PublishKernel(spec), *addresses, Int32(0), Int32(1), Int32(0), Int32(0), stream, arch=arch, keep_ptx=keep_ptx
     )
     return CompiledKernel(publish_name(spec), spec, arch, function)
 
@@ -109,6 +109,7 @@ def compile_publish_then_consume(
         Float32(1e-6),
         Int32(1),  # num_tokens
         Int32(0),  # rejected
+        Int32(0),  # gemm2_rows
         stream,
         arch=arch, keep_ptx=keep_ptx,
     )

@@ -36,8 +36,13 @@ works; choosing the generation on the host would freeze it into the graph):
   (plus the rejected attempts the host passes); written only by the consumer (CTA 0), with the
   sequence of the tags it consumed plus one.
 
+* ``state[INVALID_ROUTES]``: how many route entries of this rank's finalize calls so far were
+  neither -1 nor a row of gemm2_permuted (each contributes nothing, as -1 does). Only ever
+  incremented, atomically, by the finalize publish (the thread of a token's first vector, once
+  per bad entry); read by the host (AllReduceMHC.invalid_routes), never by a kernel's logic.
+
 One writer per word per kernel, so no CTA ever reads a word that another CTA of the same grid
-writes.
+writes (the atomic counter aside: no kernel decides anything on it).
 """
 
 from __future__ import annotations
@@ -51,10 +56,15 @@ SENTINEL_WORD = (SENTINEL_BF16 << 16) | SENTINEL_BF16
 PUBLISH_GENERATION = 0
 CONSUME_GENERATION = 1
 CALL_SEQUENCE = 2
-STATE_WORDS = 4  # three used; padded to 16 bytes
+INVALID_ROUTES = 3
+STATE_WORDS = 4  # 16 bytes, one vector load
 STATE_WORD_BYTES = 4
 
 MAX_TP = 8
+
+# expanded_idx_to_permuted_idx of a route whose expert lives on another rank: contributes nothing.
+# Every other index outside 0 .. rows-1 is invalid: it contributes nothing too, and is counted.
+SKIPPED_ROUTE = -1
 
 BF16_BYTES = 2
 # Per token row: after its H values, one 128-byte line whose first 16 bytes are the call tag.

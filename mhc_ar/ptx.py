@@ -326,6 +326,12 @@ def ld_global_u32(address: Int64, predicate=None, *, loc=None, ip=None) -> Uint3
 
 
 @dsl_user_op
+def red_add_u32(address: Int64, value: Uint32, predicate, *, loc=None, ip=None) -> None:
+    """Atomic add to a global word, no result (the invalid-route counter)."""
+    _store("red.relaxed.gpu.global.add.u32 [$0], $1;", "l,r", [Int64(address), Uint32(value)], predicate, loc, ip)
+
+
+@dsl_user_op
 def ld_global_s32(address: Int64, *, loc=None, ip=None) -> Int32:
     ops = _ir([Int64(address)], loc, ip)
     return Int32(_asm(T.i32(), ops, "ld.global.b32 $0, [$1];", "=r,l", side_effects=False, loc=loc, ip=ip))

@@ -12,7 +12,7 @@ identical results; imports nothing from mhc_ar.
 from .bits import BF16_CANONICAL_NAN, F32_CANONICAL_NAN, bf16_rn, bf16_to_f32
 from .collapse import collapse
 from .compose import MixInputs, RankInputs, ReferenceOutputs, all_reduce_mhc, validate_inputs
-from .contribution import contribution, finalize_contribution
+from .contribution import contribution, finalize_contribution, invalid_routes, routed
 from .exact import add_f32, div_f32, fma_f32, mul_f32
 from .explain import Step, explain_element, format_steps
 from .float64_model import Float64Report, StageCheck, check_against_float64
@@ -53,11 +53,13 @@ __all__ = [
     "finalize_contribution",
     "fma_f32",
     "format_steps",
+    "invalid_routes",
     "load_table",
     "mul_f32",
     "mxfp8_quantize",
     "post_mix",
     "reduce",
+    "routed",
     "reference_rsqrt_table",
     "rms_norm",
     "rsqrt_approx_ftz",

@@ -68,7 +68,8 @@ def explain_element(
             top_k = acc.shape[0] - 1
             idx = rank.expanded_idx_to_permuted_idx[row].tolist()
             for k in range(top_k):
-                note = "skipped (-1)" if idx[k] == -1 else f"row {idx[k]}"
+                rows = rank.gemm2_permuted.shape[0]
+                note = f"row {idx[k]}" if 0 <= idx[k] < rows else "skipped (-1)" if idx[k] == -1 else f"invalid {idx[k]}, skipped"
                 steps.append(_fp32(f"rank{r}.finalize.route{k} [{note}]", acc[k]))
             steps.append(_fp32(f"rank{r}.finalize.plus_shared", acc[top_k]))
         steps.append(_bf16(f"rank{r}.contribution (scrubbed)", rec["contribution"][r, 0, col]))

@@ -27,7 +27,7 @@ import torch
 
 from .bits import bf16_ordered, bf16_rn, f32_bits
 from .compose import MixInputs, RankInputs, ReferenceOutputs
-from .contribution import SKIPPED_ROUTE
+from .contribution import gather_rows, routed
 from .mxfp8 import BLOCK_SIZE, E4M3_MAX, E4M3_MAX_CODE, UE8M0_MAX, e4m3_decode
 from .rms_norm import ReductionTree
 
@@ -115,12 +115,12 @@ def check_against_float64(
 
 def finalize_f64(rank: RankInputs):
     """sum_k w_k * gemm2[idx_k] + shared in float64 -> (bf16 [M, H], fp32 chain error bound)."""
-    idx = rank.expanded_idx_to_permuted_idx.to(torch.int64)
-    rows = rank.gemm2_permuted.double()[idx.clamp(min=0)]  # [M, top_k, H]
-    taken = (idx != SKIPPED_ROUTE)[..., None]
-    # A skipped route is left out (a zero term), not weighted by 0: 0 * Inf would be NaN.
-    routed = torch.where(taken, rank.expert_weights.double()[..., None] * rows, 0.0)
-    terms = torch.cat([routed, rank.shared_output.double()[:, None]], dim=1)
+    idx = rank.expanded_idx_to_permuted_idx
+    rows = gather_rows(rank.gemm2_permuted, idx).double()  # [M, top_k, H]
+    taken = routed(idx, rank.gemm2_permuted.shape[0])[..., None]
+    # A skipped route (-1 or invalid) is left out (a zero term), not weighted by 0: 0 * Inf would be NaN.
+    terms = torch.where(taken, rank.expert_weights.double()[..., None] * rows, 0.0)
+    terms = torch.cat([terms, rank.shared_output.double()[:, None]], dim=1)
     return _rounded_sum(terms, dim=1)
 
 

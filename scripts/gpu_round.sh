@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU round on a device machine, every step logged under $OUT (default /tmp/mhc_out):
-#   bash scripts/gpu_round.sh [smoke] [rsqrt] [tests] [concurrent] [out-of-step] [stress] [protocol-cost] [mps] [conformance] [full-a] [full-b] [bench] [eager] [host-timing] ...
+#   bash scripts/gpu_round.sh [smoke] [rsqrt] [routes] [tests] [concurrent] [out-of-step] [stress] [protocol-cost] [mps] [conformance] [full-a] [full-b] [bench] [eager] [host-timing] ...
 #   several GPUs: [topo] [tp-conformance] [tp-graph] [tp-bench] [missing-rank] (NGPU ranks; default all GPUs)
 # Each step runs under `timeout`, so a hung kernel costs minutes, not the whole lease.
 set -u
@@ -57,6 +57,9 @@ for step in "${steps[@]}"; do
         out-of-step) for s in reject m_differs skip op_differs; do
                          run "oos-$s-check-streams" 60 $PY tests/out_of_step.py $s check streams
                          run "oos-$s-nocheck-streams" 60 $PY tests/out_of_step.py $s nocheck streams; done ;;
+        # Invalid route indices (issue 17): the GPU tests, and memcheck on one finalize with them.
+        routes) run routes 300 $PY -m pytest -q -s -p no:cacheprovider -m gpu tests/test_gpu_routes.py tests/test_gpu_aliasing.py
+                run routes-memcheck 300 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 $PY scripts/bad_routes_case.py ;;
         bench) run bench 420 $PY -m conformance.bench --out "$OUT/bench" ;;
         # The eager table alone (with the H5120 rows it is reported beside), e.g. twice in a round.
         eager) run "eager-$SECONDS" 300 $PY -m conformance.bench --hidden 5120 --m 1,16,128 --tp "" --out "$OUT/bench-eager-$SECONDS" ;;

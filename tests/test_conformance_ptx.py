@@ -4,6 +4,7 @@ on PTX doctored to lack (or add) the instruction it is about."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -211,3 +212,17 @@ def test_ptx_snapshot_compares_all_but_symbol_names():
     renamed = ptx.replace("mhc_arkernelsA", "mhc_arkernelsstagesB").replace("// generated", "// other compiler")
     assert module.normalized(ptx) == module.normalized(renamed)
     assert module.normalized(ptx) != module.normalized(renamed.replace("fma.rn.f32", "fma.rz.f32"))
+
+
+def test_route_bounds_doctored_away_fail(sm90_ptx):
+    """The finalize publish's route checks (mhc_ar.routes): each fails on PTX that reads a gemm2
+    row unpredicated, compares the index with a constant only, or drops the counter."""
+    spec, ptx = sm90_ptx["publish-finalize-unicast"]
+    top_k = spec.top_k
+    assert not _failed(spec, ptx)
+    unguarded = re.sub(r"@p (ld\.global\.v4\.b32)", r"\1", ptx)
+    assert f"{top_k} predicated gemm2 row loads" in _failed(spec, unguarded)
+    constant_bound = re.sub(r"(setp\.(?:lt|ge)\.s32\s+%p\d+, %r\d+), %r\d+;", r"\1, 0;", ptx)
+    assert "route index compared with the row count" in _failed(spec, constant_bound)
+    no_counter = ptx.replace("red.relaxed.gpu.global.add.u32", "st.global.u32")
+    assert f"{top_k} x red.relaxed.gpu.global.add.u32" in _failed(spec, no_counter)

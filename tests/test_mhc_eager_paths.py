@@ -43,6 +43,7 @@ def host_only_op(variant=Variant.FULL, tensor_error=None):
     op._call_tensors = Recorder("tensor call", op.log, tensor_error) if tensors else None
     op._finalize_tensors = Recorder("tensor finalize", op.log, tensor_error) if tensors else None
     op._rejected = 0
+    op._check_routes = False
     return op
 
 
@@ -212,5 +213,19 @@ def test_rejected_calls_count_in_the_next_launch_sequence():
     with pytest.raises(ValueError, match="expanded_idx_to_permuted_idx"):
         op.finalize(wrong["gemm2_permuted"], wrong["expert_weights"], wrong["expanded_idx_to_permuted_idx"], wrong["shared_output"], *mix_of(i))
     op.finalize(f["gemm2_permuted"], f["expert_weights"], f["expanded_idx_to_permuted_idx"], f["shared_output"], *mix_of(i))
-    launched = [(name, args[-1]) for name, args in op.log]
+    # The address launchers take gemm2_rows after the rejected count; the tensor launchers none.
+    launched = [(name, args[-2] if name.startswith("address") else args[-1]) for name, args in op.log]
     assert launched == [("tensor call", 2), ("tensor call", 0), ("address call", 1), ("tensor finalize", 1)]
+
+
+def test_address_finalize_passes_the_row_count_of_gemm2():
+    """The publish bounds every route index by gemm2_permuted's rows (mhc_ar.routes): the address
+    launcher gets the row count of the tensor given, whatever the routes hold."""
+    op, i = host_only_op(), inputs()
+    f = finalize_inputs()
+    f["gemm2_permuted"] = torch.randn(7, H).to(torch.bfloat16)  # fewer rows than m * top_k
+    f["expanded_idx_to_permuted_idx"][0, 0] = 10**9  # accepted: skipped and counted on the device
+    out = (torch.empty(M, HC, H, dtype=torch.bfloat16), torch.empty(M, H, dtype=torch.bfloat16))
+    op.finalize(f["gemm2_permuted"], f["expert_weights"], f["expanded_idx_to_permuted_idx"], f["shared_output"], *mix_of(i), out=out)
+    (name, args), = op.log
+    assert name == "address finalize" and args[-1] == 7

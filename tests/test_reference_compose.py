@@ -22,6 +22,8 @@ from reference import (
     check_against_float64,
     explain_element,
     format_steps,
+    invalid_routes,
+    routed,
     scrub,
 )
 from reference.exact import add_f32, fma_f32
@@ -304,8 +306,6 @@ BAD_INPUTS = [
     ("mixed-kinds", "ranks[1]", lambda: _call(lambda r, m, k: _set(r[1], "x", None))),
     ("weights-dtype", "ranks[0].expert_weights",
      lambda: _finalize(lambda r, m, k: _set(r[0], "expert_weights", r[0].expert_weights.bfloat16()))),
-    ("idx-range", "ranks[1].expanded_idx_to_permuted_idx",
-     lambda: _finalize(lambda r, m, k: r[1].expanded_idx_to_permuted_idx.__setitem__((0, 0), 10_000))),
     ("gemm2-width", "ranks[0].gemm2_permuted",
      lambda: _finalize(lambda r, m, k: _set(r[0], "gemm2_permuted", r[0].gemm2_permuted[:, :8]))),
     ("shared-device", "ranks[1].shared_output",
@@ -318,6 +318,43 @@ def test_validation_names_the_argument(argument, setup):
     ranks, mix, kwargs = setup()
     with pytest.raises(ValueError, match=re.escape(argument)):
         all_reduce_mhc(ranks, mix, **kwargs)
+
+
+INVALID_INDICES = (0, 10**9, -2, -5)  # added to rows for the first two: rows, rows + 10^9
+
+
+def test_an_invalid_route_index_contributes_nothing_as_minus_one_does():
+    """SPEC of an index outside 0 .. rows-1: skipped like -1, and counted. The same call with
+    those entries set to -1 gives the same bytes; every other entry still contributes."""
+    ranks, mix, tree = make_inputs(Case(2, 2, 64, 3, finalize=True, top_k=4))
+    rows = ranks[1].gemm2_permuted.shape[0]
+    bad = [(0, 0), (1, 1), (2, 2), (2, 3)]
+    for m, k in bad:
+        ranks[1].expanded_idx_to_permuted_idx[m, k] = m  # a real row, so each entry matters
+    before = all_reduce_mhc(ranks, mix, tree=tree, mxfp8=False)
+    skipped = [RankInputs(**vars(r)) for r in ranks]
+    skipped[1].expanded_idx_to_permuted_idx = ranks[1].expanded_idx_to_permuted_idx.clone()
+    invalid = ranks[1].expanded_idx_to_permuted_idx.clone()
+    for (m, k), value in zip(bad, INVALID_INDICES):
+        invalid[m, k] = rows + value if value >= 0 else value
+        skipped[1].expanded_idx_to_permuted_idx[m, k] = -1
+    ranks[1].expanded_idx_to_permuted_idx = invalid
+    assert invalid_routes(invalid, rows) == len(bad)
+    assert invalid_routes(skipped[1].expanded_idx_to_permuted_idx, rows) == 0
+    got = all_reduce_mhc(ranks, mix, tree=tree, mxfp8=False)
+    want = all_reduce_mhc(skipped, mix, tree=tree, mxfp8=False)
+    for name in ("new_residual", "layer_input"):
+        a, b = getattr(got, name).view(torch.int16), getattr(want, name).view(torch.int16)
+        assert torch.equal(a, b), f"{name} differs at {(a != b).nonzero()[0].tolist()}"
+    # The entries changed were routes that contributed: without them the bytes differ.
+    assert not torch.equal(before.new_residual.view(torch.int16), want.new_residual.view(torch.int16))
+
+
+def test_routed_is_the_row_range():
+    idx = torch.tensor([[-5, -2, -1, 0], [3, 4, 10**9, 2**31 - 1]], dtype=torch.int32)
+    assert routed(idx, 4).tolist() == [[False, False, False, True], [True, False, False, False]]
+    assert invalid_routes(idx, 4) == 5
+    assert invalid_routes(idx, 0) == 7  # no rows: every index but -1 is invalid
 
 
 # ----- explain -------------------------------------------------------------------------------

@@ -20,8 +20,8 @@ from .publish import PublishKernel
 class PublishThenConsume:
     """Arguments: first what is fixed per rank (state, peer0..7, multicast, rank: see
     PublishKernel; mailbox: see ConsumerKernel), so the host can bind them once; then what
-    changes per call (the contribution, the mix inputs and outputs, eps, num_tokens, and the
-    calls rejected since the last launch). `state` is this rank's protocol state, for both
+    changes per call (the contribution, the mix inputs and outputs, eps, num_tokens, the calls
+    rejected since the last launch, and gemm2_permuted's row count). `state` is this rank's protocol state, for both
     kernels."""
 
     def __init__(self, publish: PublishSpec, consumer: ConsumerSpec):
@@ -59,11 +59,12 @@ class PublishThenConsume:
         eps: Float32,
         num_tokens: Int32,
         rejected: Int32,
+        gemm2_rows: Int32,
         stream,
     ):
         peers = (peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7)
         contribution = (source, gemm2, weights, routes, post)
-        self.publish(*contribution, state, *peers, multicast, rank, num_tokens, rejected, stream)
+        self.publish(*contribution, state, *peers, multicast, rank, num_tokens, rejected, gemm2_rows, stream)
         outputs = (new_residual, layer_input, mx_values, mx_scales)
         self.consumer(mailbox, state, residual, post, comb, pre, norm_weight, *outputs, eps, num_tokens, stream)
 
@@ -114,7 +115,8 @@ class PublishThenConsumeTensors:
         num_tokens = Int32(source.shape[0])
         peers = (peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7)
         contribution = (_address(source), _address(gemm2), _address(weights), _address(routes), _address(post))
-        self.publish(*contribution, state, *peers, multicast, rank, num_tokens, rejected, stream)
+        gemm2_rows = Int32(0) if gemm2 is None else Int32(gemm2.shape[0])
+        self.publish(*contribution, state, *peers, multicast, rank, num_tokens, rejected, gemm2_rows, stream)
         mix = (_address(residual), _address(post), _address(comb), _address(pre), _address(norm_weight))
         outputs = (_address(new_residual), _address(layer_input), Int64(0), Int64(0))
         self.consumer(mailbox, state, *mix, *outputs, eps, num_tokens, stream)

@@ -20,8 +20,10 @@ from ..protocol import (
     BF16_BYTES,
     CALL_SEQUENCE,
     CONSUME_GENERATION,
+    INVALID_ROUTES,
     MAX_TP,
     PUBLISH_GENERATION,
+    SKIPPED_ROUTE,
     STATE_WORD_BYTES,
     STATE_WORDS,
     TAG_FIELD_BITS,
@@ -45,7 +47,9 @@ class PublishKernel:
     source      x [M, H] bf16 (call) or shared_output [M, H] bf16 (finalize)
     gemm2       gemm2_permuted [rows, H] bf16 (finalize)
     weights     expert_weights [M, top_k] fp32 (finalize)
-    routes      expanded_idx_to_permuted_idx [M, top_k] int32, -1 = no such expert here
+    routes      expanded_idx_to_permuted_idx [M, top_k] int32, -1 = no such expert here; any
+                other index outside 0 .. gemm2_rows-1 is skipped too and counted in
+                state[INVALID_ROUTES]: gemm2 is never read outside its rows
     post        [M, hc] fp32: only its bits, for the call tag's fingerprint
     state       this rank's protocol state, int32 [STATE_WORDS] tensor (mhc_ar.protocol); also
                 tells TVM-FFI which device and stream to launch on
@@ -53,6 +57,7 @@ class PublishKernel:
     multicast   multicast mailbox base (multicast transport)
     rejected    this rank's calls rejected (ValueError) since its last launch: they count in the
                 call sequence, so a call refused on one rank only leaves it visibly out of step
+    gemm2_rows  gemm2_permuted's row count (finalize; 0 for a call)
     """
 
     def __init__(self, spec: PublishSpec):
@@ -80,13 +85,14 @@ class PublishKernel:
         rank: Int32,
         num_tokens: Int32,
         rejected: Int32,
+        gemm2_rows: Int32,
         stream,
     ):
         threads = self.spec.threads_per_cta
         blocks = (num_tokens * self.spec.num_vectors + (threads - 1)) // threads
         peers = (peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7)
         contribution = (source, gemm2, weights, routes, post)
-        self.kernel(*contribution, state, *peers, multicast, rank, num_tokens, rejected).launch(
+        self.kernel(*contribution, state, *peers, multicast, rank, num_tokens, rejected, gemm2_rows).launch(
             grid=[blocks, 1, 1], block=[threads, 1, 1], stream=stream, use_pdl=True
         )
 
@@ -111,6 +117,7 @@ class PublishKernel:
         rank: Int32,
         num_tokens: Int32,
         rejected: Int32,
+        gemm2_rows: Int32,
     ):
         spec = self.spec
         hidden = spec.hidden_size
@@ -120,12 +127,31 @@ class PublishKernel:
         # PDL: nothing the preceding kernel wrote (x, expert outputs, the generation) is read
         # before this wait.
         cute.arch.griddepcontrol_wait()
-        # The state words, read by one thread per CTA and shared: every thread of the grid needs
-        # them, and one load per warp would queue tens of thousands of requests for one line of
-        # one L2 slice at large M.
+        # The state words are read by one thread per CTA and shared (every thread of the grid
+        # needs them, and one load per warp would queue tens of thousands of requests for one
+        # line of one L2 slice at large M). The data loads do not depend on them, so they go out
+        # before the barrier that shares the state: the two latencies overlap instead of adding.
         state_address = state.iterator.toint()
+        words = ptx.ld_volatile_v4(state_address, tid == 0)  # the STATE_WORDS words, 16 bytes
+        index = bid * spec.threads_per_cta + tid
+        active = index < num_tokens * spec.num_vectors
+        # Threads past the last vector load the last vector again (in bounds; never stored).
+        index = cutlass.min(index, num_tokens * spec.num_vectors - 1)
+        token = index // spec.num_vectors
+        vector = index - token * spec.num_vectors
+        element_offset = Int64(token) * hidden + Int64(vector) * VECTOR_ELEMS
+        # The thread of the token's first vector also publishes its call tag; the fingerprint's
+        # loads go out with the data loads.
+        tag_thread = vector == 0
+        coefficients = self._tag_coefficients(post, token, tag_thread)
+        if cutlass.const_expr(self.finalize):
+            # The invalid-route count: once per entry, by the token's tag thread (an inactive
+            # thread reloads the last vector and counts nothing).
+            data = self._finalize_contribution(source, gemm2, weights, routes, gemm2_rows, token, vector, element_offset,
+                                               tag_thread & active, state_address)
+        else:
+            data = ptx.ld_global_v4(source + element_offset * BF16_BYTES)
         if tid == 0:
-            words = ptx.ld_volatile_v4(state_address)  # the STATE_WORDS words, 16 bytes
             for w in cutlass.range_constexpr(STATE_WORDS):
                 shared_state[w] = words[w]
             if bid == 0:
@@ -136,24 +162,11 @@ class PublishKernel:
         sequence = (shared_state[CALL_SEQUENCE] + Uint32(rejected)) & Uint32(TAG_FIELD_MASK)
         cute.arch.griddepcontrol_launch_dependents()
 
-        index = bid * spec.threads_per_cta + tid
-        if index < num_tokens * spec.num_vectors:
-            token = index // spec.num_vectors
-            vector = index - token * spec.num_vectors
-            element_offset = Int64(token) * hidden + Int64(vector) * VECTOR_ELEMS
-            # The thread of the token's first vector also publishes its call tag: the fingerprint's
-            # loads go out first, so their latency hides under the data path's.
-            tag_thread = vector == 0
-            coefficients = self._tag_coefficients(post, token, tag_thread)
-            if cutlass.const_expr(self.finalize):
-                words = self._finalize_contribution(source, gemm2, weights, routes, token, vector, element_offset)
-            else:
-                words = ptx.ld_global_v4(source + element_offset * BF16_BYTES)
-            w0 = ptx.scrub_word(words[0])
-            w1 = ptx.scrub_word(words[1])
-            w2 = ptx.scrub_word(words[2])
-            w3 = ptx.scrub_word(words[3])
-
+        if active:
+            w0 = ptx.scrub_word(data[0])
+            w1 = ptx.scrub_word(data[1])
+            w2 = ptx.scrub_word(data[2])
+            w3 = ptx.scrub_word(data[3])
             row = ((Int64(generation) * spec.tp + Int64(rank)) * spec.capacity + Int64(token)) * row_elems(hidden) * BF16_BYTES
             peers = (peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7)
             self._store_everywhere(peers, multicast, row + Int64(vector) * (VECTOR_ELEMS * BF16_BYTES), (w0, w1, w2, w3))
@@ -195,15 +208,20 @@ class PublishKernel:
         op_rank_layout = Uint32(fixed) | (Uint32(rank) << TAG_RANK_SHIFT)
         return tuple(ptx.pack_tag_field(Uint32(v)) for v in (sequence, num_tokens, folded, op_rank_layout))
 
-    def _finalize_contribution(self, shared, gemm2, weights, routes, token, vector, element_offset):
+    def _finalize_contribution(self, shared, gemm2, weights, routes, gemm2_rows, token, vector, element_offset, counter_thread,
+                               state_address):
         """Contract step 1 for finalize: acc = +0; acc = fma(w_k, gemm2[idx_k], acc) over the routes
-        in order, skipping idx == -1; acc = acc + shared; one rounding to bf16."""
+        in order, skipping every idx outside 0 .. gemm2_rows-1 (-1 by design; any other is an invalid
+        index, never read, and counted once per entry by the token's `counter_thread`);
+        acc = acc + shared; one rounding to bf16."""
         spec = self.spec
         acc = [Float32(0.0)] * VECTOR_ELEMS
         for k in range(spec.top_k):
             route_offset = (Int64(token) * spec.top_k + k) * 4
             row = ptx.ld_global_s32(routes + route_offset)
-            taken = row >= 0
+            taken = (row >= 0) & (row < gemm2_rows)
+            invalid = ((row < 0) & (row != SKIPPED_ROUTE)) | (row >= gemm2_rows)
+            ptx.red_add_u32(state_address + INVALID_ROUTES * STATE_WORD_BYTES, Uint32(1), counter_thread & invalid)
             weight = ptx.ld_global_f32(weights + route_offset)
             row_bytes = (Int64(row) * spec.hidden_size + Int64(vector) * VECTOR_ELEMS) * BF16_BYTES
             expert = ptx.ld_global_v4(gemm2 + row_bytes, taken)
