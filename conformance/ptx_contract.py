@@ -386,7 +386,22 @@ def _call_tags_compared(kernel: _Kernel) -> PtxCheck:
     return PtxCheck(name, True, f"{len(shuffles)} shfl.sync.idx, guarded trap at line {traps[0].line}")
 
 
-def check_consumer_ptx(ptx: str, variant: Variant) -> list[PtxCheck]:
+def _residual_before_spin(kernel: _Kernel, expected: int) -> PtxCheck:
+    """ConsumerSpec.prefetch_residual: the residual's 16-byte loads are issued before the first
+    spin load (their latency hides under the wait), or, where the registers do not allow it,
+    none is."""
+    name = f"{expected} residual loads before the spin"
+    first_spin = kernel.first_index(lambda i: i.opcode == SPIN_LOAD)
+    if first_spin is None:
+        return PtxCheck(name, False, f"no spin load ({SPIN_LOAD})")
+    early = [i for i in kernel.instructions[:first_spin] if i.opcode == "ld.global.v4.b32"]
+    lines = ", ".join(str(i.line) for i in early[:8])
+    return PtxCheck(name, len(early) == expected, f"found {len(early)} ld.global.v4.b32 before line {kernel.instructions[first_spin].line}" + (f" (lines {lines})" if early else ""))
+
+
+def check_consumer_ptx(ptx: str, variant: Variant, prefetched_loads: int | None = None) -> list[PtxCheck]:
+    """The consumer's checks; `prefetched_loads` (hc x fragments per thread, or 0 where the
+    residual is loaded after the spin) adds the check of where the residual loads go."""
     kernel = _Kernel(ptx)
     variant = Variant(variant)
     has_norm = variant is not Variant.RESIDUAL_ONLY
@@ -406,6 +421,8 @@ def check_consumer_ptx(ptx: str, variant: Variant) -> list[PtxCheck]:
         _consumer_stores_before_wait(kernel, variant),
         _present(kernel, "cvt.rn.bf16x2.f32", "one rounding to bf16 per stage"),
     ]
+    if prefetched_loads is not None:
+        checks.append(_residual_before_spin(kernel, prefetched_loads))
     if has_norm:
         checks += [
             _exactly(kernel, "div.rn.f32", 1, "ss / H, once per row"),
@@ -505,7 +522,8 @@ def check_ptx(spec, ptx: str) -> list[PtxCheck]:
     if isinstance(spec, PublishSpec):
         return check_publish_ptx(ptx, spec.contribution, spec.multicast, spec.tp, spec.top_k)
     if isinstance(spec, ConsumerSpec):
-        return check_consumer_ptx(ptx, spec.variant)
+        prefetched = spec.hc * spec.tiling.fragments_per_thread if spec.prefetch_residual else 0
+        return check_consumer_ptx(ptx, spec.variant, prefetched)
     raise ValueError(f"spec must be a PublishSpec or ConsumerSpec, got {type(spec).__name__}")
 
 

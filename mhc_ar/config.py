@@ -32,6 +32,12 @@ CONSUMER_MAX_THREADS = 256
 # lets 1024 threads per SM be resident; hc = 8 needs about 128 and is left to the compiler.
 RESIDENT_THREADS_PER_SM = 1024
 REGISTER_BOUND_MAX_HC = 4
+# The consumer loads its fragments' residual streams before the Lamport spin, so their latency
+# hides under the wait, when the 32-bit words then live across the spin fit: tp received vectors
+# (4 words each), the residual (4 * hc per fragment) and the mix coefficients (hc * (hc + 2)).
+# At the 64-register bound (hc <= 4), ptxas -v (CUDA 13.5, sm_90a, H 5120 and 7168) spills 24-32
+# bytes from 72 such words (tp 8, hc 4) and none up to 68 (tp 7, hc 4; every tp <= 7 with hc <= 4).
+PREFETCH_MAX_LIVE_WORDS = 68
 PUBLISH_THREADS = 128
 # A consumer that has waited this long for a peer's data traps (a CUDA launch error on that
 # rank) instead of spinning forever; healthy calls wait microseconds.
@@ -170,6 +176,14 @@ class ConsumerSpec:
     @property
     def hidden_size(self) -> int:
         return self.tiling.hidden_size
+
+    @property
+    def prefetch_residual(self) -> bool:
+        """Whether the residual is loaded before the spin (see PREFETCH_MAX_LIVE_WORDS)."""
+        if self.hc > REGISTER_BOUND_MAX_HC:
+            return True  # no register bound: the compiler makes room
+        live = 4 * self.tp + 4 * self.hc * self.tiling.fragments_per_thread + self.hc * (self.hc + 2)
+        return live <= PREFETCH_MAX_LIVE_WORDS
 
     @property
     def min_ctas_per_sm(self) -> int:

@@ -18,7 +18,7 @@ from conformance.ptx_contract import (
     parse_instructions,
 )
 from mhc_ar.compile import compile_spec, kernel_variants
-from mhc_ar.config import ConsumerSpec, Contribution, PublishSpec, Variant
+from mhc_ar.config import ConsumerSpec, Contribution, PublishSpec, Variant, choose_consumer_tiling
 
 SPECS = kernel_variants()
 
@@ -226,3 +226,32 @@ def test_route_bounds_doctored_away_fail(sm90_ptx):
     assert "route index compared with the row count" in _failed(spec, constant_bound)
     no_counter = ptx.replace("red.relaxed.gpu.global.add.u32", "st.global.u32")
     assert f"{top_k} x red.relaxed.gpu.global.add.u32" in _failed(spec, no_counter)
+
+
+def test_residual_prefetch_rule():
+    """ConsumerSpec.prefetch_residual: the residual is loaded before the spin unless the words
+    live across it would exceed the 64-register bound (ptxas -v: tp 8 with hc 4 spills)."""
+    tiling = choose_consumer_tiling(5120)
+
+    def spec(tp, hc):
+        return ConsumerSpec(tiling, hc=hc, tp=tp, capacity=128, variant=Variant.FULL)
+
+    assert spec(1, 4).prefetch_residual and spec(7, 4).prefetch_residual and spec(8, 2).prefetch_residual
+    assert not spec(8, 4).prefetch_residual
+    assert spec(8, 8).prefetch_residual  # hc > 4 has no register bound
+
+
+def test_residual_loads_placed_as_the_spec_says():
+    """Each side of the prefetch rule is checked against the other's PTX: a consumer that loads
+    its residual before the spin fails the check expecting none there, and the other way round."""
+    tiling = choose_consumer_tiling(5120)
+    early = ConsumerSpec(tiling, hc=4, tp=2, capacity=128, variant=Variant.FULL)
+    late = ConsumerSpec(tiling, hc=4, tp=8, capacity=128, variant=Variant.FULL)
+    early_ptx = compile_spec(early, "sm_90a", keep_ptx=True).ptx
+    late_ptx = compile_spec(late, "sm_90a", keep_ptx=True).ptx
+    name = "4 residual loads before the spin"
+    assert name not in _failed(early, early_ptx) and "0 residual loads before the spin" not in _failed(late, late_ptx)
+    assert name in {c.name for c in check_consumer_ptx(late_ptx, Variant.FULL, 4) if not c.passed}
+    assert "0 residual loads before the spin" in {
+        c.name for c in check_consumer_ptx(early_ptx, Variant.FULL, 0) if not c.passed
+    }

@@ -178,8 +178,16 @@ class ConsumerKernel:
 
         # PDL: nothing a preceding kernel wrote (mailbox, generation, inputs) is read before this.
         cute.arch.griddepcontrol_wait()
-        # Per-token mix coefficients (the same for every thread of the token), loaded first so
-        # their latency overlaps the generation's.
+        # The generation first: every mailbox address depends on it. One load per thread (the
+        # publish reads its state words once per CTA, through shared memory). Here one per CTA
+        # through shared memory measured no faster (equal within noise in session 12's cost
+        # table, slower in session 11's; notes/device-log.md), and it needs a barrier.
+        state_address = state.iterator.toint()
+        generation = Int64(ptx.ld_volatile_u32(state_address + CONSUME_GENERATION * STATE_WORD_BYTES))
+        # What this thread reads that no peer writes (the mix coefficients and, where the
+        # registers allow, its fragments' residual streams: ConsumerSpec.prefetch_residual) is
+        # loaded now too, so its latency hides under the generation's and the mailbox's instead
+        # of following the spin.
         row = Int64(token)
         post_t = [ptx.ld_global_f32(post + (row * hc + t) * _F32_BYTES) for t in range(hc)]
         comb_st = [
@@ -188,13 +196,18 @@ class ConsumerKernel:
         pre_t = []
         if cutlass.const_expr(self.has_norm):
             pre_t = [ptx.ld_global_f32(pre + (row * hc + t) * _F32_BYTES) for t in range(hc)]
-
-        # One load per thread (the publish reads its state words once per CTA, through shared
-        # memory). Here one per CTA through shared memory measured no faster (equal within noise
-        # in session 12's cost table, slower in session 11's; notes/device-log.md), and it needs
-        # a barrier.
-        state_address = state.iterator.toint()
-        generation = Int64(ptx.ld_volatile_u32(state_address + CONSUME_GENERATION * STATE_WORD_BYTES))
+        fragments = []  # (vector, column, valid) of each fragment this thread owns
+        residual_words = []  # per fragment: hc packed vectors, residual[token, s, column]
+        for k in cutlass.range_constexpr(tiling.fragments_per_thread):
+            local = tid + k * threads
+            vector = cta * per_cta + local
+            valid = None
+            if cutlass.const_expr(tiling.needs_predicate):
+                valid = (local < per_cta) & (vector < tiling.num_vectors)
+            column = Int64(vector) * VECTOR_ELEMS
+            fragments.append((vector, column, valid))
+            if cutlass.const_expr(spec.prefetch_residual):
+                residual_words.append(self._load_residual(residual, row, column, valid))
         cute.arch.griddepcontrol_launch_dependents()
         deadline = ptx.deadline_after(spec.spin_timeout_ns)
 
@@ -209,14 +222,9 @@ class ConsumerKernel:
         tag_address = token_base + tag_byte_offset(hidden) + rank_stride * Int64(tid)
 
         sum_sq = Float32(0.0)
-        fragments = []  # (column, valid, p values) per fragment, for the normalization
+        collapsed = []  # p values per fragment, for the normalization
         for k in cutlass.range_constexpr(tiling.fragments_per_thread):
-            local = tid + k * threads
-            vector = cta * per_cta + local
-            valid = None
-            if cutlass.const_expr(tiling.needs_predicate):
-                valid = (local < per_cta) & (vector < tiling.num_vectors)
-            column = Int64(vector) * VECTOR_ELEMS
+            vector, column, valid = fragments[k]
 
             # ---- spin: wait until every rank's 16 bytes have landed (bitwise sentinel test)
             slot = token_base + column * BF16_BYTES
@@ -246,10 +254,9 @@ class ConsumerKernel:
             y = _widen(_narrow(total))
 
             # ---- post_mix: a = y * post[t]; a = fma(residual[s], comb[s, t], a) over s in order
-            streams = []
-            for s in cutlass.range_constexpr(hc):
-                address = residual + ((row * hc + s) * hidden + column) * BF16_BYTES
-                streams.append(_widen(ptx.ld_global_v4(address, valid)))
+            if cutlass.const_expr(not spec.prefetch_residual):
+                residual_words.append(self._load_residual(residual, row, column, valid))
+            streams = [_widen(words) for words in residual_words[k]]
             mixed = []
             for t in cutlass.range_constexpr(hc):
                 a = [ptx.mul_rn(y[j], post_t[t]) for j in range(VECTOR_ELEMS)]
@@ -269,19 +276,28 @@ class ConsumerKernel:
                 # ---- rms_norm, thread partial: fragments in order, elements in order
                 for j in cutlass.range_constexpr(VECTOR_ELEMS):
                     sum_sq = ptx.fma_rn(p[j], p[j], sum_sq)
-                fragments.append((vector, column, valid, p))
+                collapsed.append(p)
 
         if cutlass.const_expr(self.has_norm):
+            # The norm weight is needed only after the cross-CTA sum: loaded before it, so its
+            # latency hides under the cluster barriers (not before the spin: at tp = 8, hc = 4
+            # its registers would spill).
+            weight_words = [ptx.ld_global_v4(norm_weight + column * BF16_BYTES, valid) for _, column, valid in fragments]
             inv = self._inverse_rms(sum_sq, eps, lane, warp, cta, warp_sums, cluster_sums)
             for f in cutlass.range_constexpr(len(fragments)):
-                vector, column, valid, p = fragments[f]
-                w = _widen(ptx.ld_global_v4(norm_weight + column * BF16_BYTES, valid))
+                vector, column, valid = fragments[f]
+                p, w = collapsed[f], _widen(weight_words[f])
                 out = _narrow([ptx.mul_rn(ptx.mul_rn(p[j], inv), w[j]) for j in range(VECTOR_ELEMS)])
                 ptx.st_global_v4(layer_input + (row * hidden + column) * BF16_BYTES, *out, valid)
                 if cutlass.const_expr(self.has_mxfp8 and "mxfp8_block" not in spec.omit):
                     self._mxfp8_block(out, row, vector, column, lane, valid, mx_values, mx_scales)
 
     # ------------------------------------------------------------------------------------------
+
+    def _load_residual(self, residual, row, column, valid):
+        """The hc packed vectors residual[token, s, column .. column + 7], s in order."""
+        hc, hidden = self.spec.hc, self.spec.hidden_size
+        return [ptx.ld_global_v4(residual + ((row * hc + s) * hidden + column) * BF16_BYTES, valid) for s in range(hc)]
 
     @cute.jit
     def _check_call_tags(self, tag, tag_address, checker, deadline, tid, token, generation, state_address):
