@@ -99,9 +99,38 @@ def write_bundle(
     environment: dict | None = None,
 ) -> Path:
     """Write the bundle atomically (temp file, then rename) and return its path."""
-    path = Path(path)
     arrays = {f"inputs/{name}": t for name, t in inputs.tensors().items()}
     arrays |= {f"kernel/{name}": t for name, t in kernel.tensors().items()}
+    manifest = manifest_fields(case, float(inputs.mix.eps), tree, environment)
+    manifest |= {
+        "mismatched_outputs": sorted({m.output for m in mismatches}),
+        "first_mismatch": mismatches[0].to_dict() if mismatches else None,
+        "mismatches": [m.to_dict() for m in mismatches],
+    }
+    return write_archive(path, manifest, arrays)
+
+
+def manifest_fields(case: Case, eps: float, tree: ReductionTree | None, environment: dict | None) -> dict:
+    """The manifest fields every bundle has, mismatches none (write_archive adds the arrays)."""
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "case": case.to_dict(),
+        "seed": case.seed,
+        "eps": eps,
+        "reduction_tree": None if tree is None else dict(tree.__dict__),
+        "environment": environment or {},
+        "mismatched_outputs": [],
+        "first_mismatch": None,
+        "mismatches": [],
+    }
+
+
+def write_archive(path, manifest: dict, arrays: dict[str, torch.Tensor]) -> Path:
+    """`manifest` plus one .npy per tensor of `arrays` (name -> tensor, listed in the manifest
+    with dtype, shape and sha256), written atomically (temp file, then rename)."""
+    path = Path(path)
     entries, payloads = {}, {}
     for name, tensor in arrays.items():
         if tensor.dtype not in _STORAGE:
@@ -116,20 +145,7 @@ def write_bundle(
             "sha256": hashlib.sha256(data).hexdigest(),
         }
         payloads[file] = data
-    manifest = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "case": case.to_dict(),
-        "seed": case.seed,
-        "eps": float(inputs.mix.eps),
-        "reduction_tree": None if tree is None else dict(tree.__dict__),
-        "environment": environment or {},
-        "mismatched_outputs": sorted({m.output for m in mismatches}),
-        "first_mismatch": mismatches[0].to_dict() if mismatches else None,
-        "mismatches": [m.to_dict() for m in mismatches],
-        "arrays": entries,
-    }
+    manifest = manifest | {"arrays": entries}
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".partial")
     os.close(handle)
@@ -189,9 +205,10 @@ def _load_array(archive, members, name: str, entry: dict) -> torch.Tensor:
     return tensor.view(torch_dtype) if tensor.dtype != torch_dtype else tensor
 
 
-def load_bundle(path) -> Bundle:
-    """Read and verify a bundle; raises BundleError for anything that is not a valid bundle of
-    this format version."""
+def read_archive(path, *, arrays: bool = True) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The verified manifest and every array of a bundle file (name -> tensor; none read with
+    arrays=False); raises BundleError for anything that is not a valid bundle of this format
+    version."""
     path = Path(path)
     if not path.is_file():
         raise BundleError(f"{path}: no such bundle file")
@@ -220,13 +237,27 @@ def load_bundle(path) -> Bundle:
             validate(manifest, MANIFEST_SCHEMA)
         except SchemaError as error:
             raise BundleError(f"{path}: invalid manifest: {error}") from None
-        arrays = manifest["arrays"]
-        listed = {entry["file"] for entry in arrays.values()}
+        entries = manifest["arrays"]
+        listed = {entry["file"] for entry in entries.values()}
         unexpected = sorted(set(members) - listed - {MANIFEST})
         if unexpected:
             raise BundleError(f"{path}: members not listed in the manifest: {', '.join(unexpected[:5])}")
-        tensors = {name: _load_array(archive, members, name, entry) for name, entry in arrays.items()}
+        tensors = {name: _load_array(archive, members, name, entry) for name, entry in entries.items()} if arrays else {}
+    return manifest, tensors
 
+
+def is_captured(manifest: dict) -> bool:
+    """Whether a bundle was recorded from a real call (conformance.capture) rather than a case."""
+    return "capture" in manifest
+
+
+def load_bundle(path) -> Bundle:
+    """Read and verify a bundle; raises BundleError for anything that is not a valid bundle of
+    this format version. A captured call's bundle is read with conformance.capture.load_call."""
+    path = Path(path)
+    manifest, tensors = read_archive(path)
+    if is_captured(manifest):
+        raise BundleError(f"{path}: a captured call (one rank's view); read it with conformance.capture.load_call")
     try:
         case = Case.from_dict(manifest["case"])
     except ValueError as error:
@@ -272,4 +303,7 @@ def bundle_name(case: Case) -> str:
     return f"{case.id}{SUFFIX}"
 
 
-__all__ = ["Bundle", "BundleError", "FORMAT", "FORMAT_VERSION", "SUFFIX", "bundle_name", "load_bundle", "write_bundle"]
+__all__ = [
+    "Bundle", "BundleError", "FORMAT", "FORMAT_VERSION", "SUFFIX", "bundle_name", "is_captured", "load_bundle", "manifest_fields",
+    "read_archive", "write_archive", "write_bundle",
+]

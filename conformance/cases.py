@@ -54,9 +54,11 @@ class Family(str, enum.Enum):
     NAN_INF = "nan_inf"  # NaN (several payloads) and +-Inf sprinkled in
     ORDER_SENSITIVE = "order_sensitive"  # 2^24, 1, -2^24: any change of summation order shows
     TINY = "tiny"  # subnormal fp32 intermediates, MXFP8 block amax near 2^-118
+    CAPTURED = "captured"  # recorded from a real call (mhc_ar.capture), not drawn
 
 
-FAMILIES = tuple(Family)
+# The families the matrix draws inputs from (a captured call's inputs are recorded, not drawn).
+FAMILIES = tuple(f for f in Family if f is not Family.CAPTURED)
 
 
 class Preset(str, enum.Enum):
@@ -366,4 +368,7 @@ def parse_list(text: str, convert, name: str) -> tuple:
 def parse_families(text: str) -> tuple[Family, ...]:
     if text.strip() == "all":
         return FAMILIES
-    return parse_list(text, Family, "family")
+    families = parse_list(text, Family, "family")
+    if Family.CAPTURED in families:
+        raise ValueError("--family: 'captured' inputs are recorded by mhc_ar.capture, not drawn; replay them with repro")
+    return families

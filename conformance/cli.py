@@ -128,14 +128,21 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_repro(args) -> int:
-    from .bundle import BundleError, load_bundle
+    from .bundle import BundleError, is_captured, load_bundle, read_archive
+    from .capture import load_call, replay_call
     from .repro import replay
 
     try:
-        bundle = load_bundle(args.bundle)
+        manifest, _ = read_archive(args.bundle, arrays=False)
+        if is_captured(manifest):  # a call recorded by mhc_ar.capture: every rank's file of it
+            captured = load_call(args.bundle)
+        else:
+            bundle = load_bundle(args.bundle)
     except BundleError as error:
         print(f"mhc-ar-conformance repro: {error}", file=sys.stderr)
         return 2
+    if is_captured(manifest):
+        return replay_call(captured, reference_only=args.reference_only, device=args.device)
     return replay(bundle, reference_only=args.reference_only, device=args.device)
 
 
@@ -216,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=_cmd_run)
 
     repro = subparsers.add_parser("repro", help="replay a reproducer bundle")
-    repro.add_argument("bundle", type=Path, help="a .mhcbundle file")
+    repro.add_argument("bundle", type=Path, help="a .mhcbundle file: a case's, or one rank's file of a call captured by mhc_ar.capture (the other ranks' files of that call beside it)")
     repro.add_argument("--reference-only", action="store_true", help="compare the recorded kernel outputs only (no GPU needed)")
     repro.add_argument("--device", help="GPU to rerun the kernel on (default: cuda)")
     repro.set_defaults(func=_cmd_repro)

@@ -32,7 +32,7 @@ import torch
 from mhc_ar.config import Contribution, Variant
 from reference import MixInputs, RankInputs
 
-from .cases import Case, Family
+from .cases import FAMILIES, Case, Family
 
 EPS = 1e-6
 SKIPPED_ROUTE = -1
@@ -108,6 +108,8 @@ def make_inputs(case: Case, device="cpu") -> CaseInputs:
     """All inputs of `case` on `device`, drawn from case.seed; the same call gives the same bits."""
     draw = _Draw(case.seed, torch.device(device))
     values = _normal(case, draw)
+    if case.family not in _FAMILY_TRANSFORMS:
+        raise ValueError(f"case {case.id}: {case.family.value} inputs are recorded, not drawn (conformance.capture)")
     _FAMILY_TRANSFORMS[case.family](case, draw, values)
     return values.build(case)
 
@@ -412,4 +414,4 @@ _FAMILY_TRANSFORMS = {
     Family.ORDER_SENSITIVE: _order_sensitive,
     Family.TINY: _tiny,
 }
-assert set(_FAMILY_TRANSFORMS) == set(Family), "every family needs a transform"
+assert set(_FAMILY_TRANSFORMS) == set(FAMILIES), "every drawn family needs a transform"

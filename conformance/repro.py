@@ -100,7 +100,13 @@ def replay(bundle: Bundle, *, reference_only: bool = False, out: TextIO | None =
     write(f"{len(mismatches)} comparisons differ:")
     for m in mismatches:
         write(f"  {m.describe()}  [vs {m.oracle}]")
-    first = mismatches[0]
+    explain_first(write, mismatches[0], case, inputs.ranks, inputs.mix, tree, mxfp8)
+    return 1
+
+
+def explain_first(write: Callable[[str], None], first: Mismatch, case, ranks, mix, tree, mxfp8: bool) -> None:
+    """Print the first difference (both values, float and bits) and the reference's
+    intermediates of the element it belongs to."""
     where = f"{first.output}, rank {first.rank}, index {first.index}"
     write("")
     write(f"first difference: {where}")
@@ -110,15 +116,12 @@ def replay(bundle: Bundle, *, reference_only: bool = False, out: TextIO | None =
     element = locate(first, case.m, case.hidden)
     if element.padding:
         write(f"scale byte of padding (row {element.row}, block {element.col // BLOCK_SIZE}): the layout requires 0")
-        return 1
+        return
     target = f", stream {element.target}" if element.target is not None else ""
     write("")
     write(f"intermediates of row {element.row}, column {element.col}{target} (reference):")
-    steps = explain_element(
-        inputs.ranks, inputs.mix, tree, row=element.row, col=element.col, target=element.target, mxfp8=mxfp8
-    )
+    steps = explain_element(ranks, mix, tree, row=element.row, col=element.col, target=element.target, mxfp8=mxfp8)
     write(format_steps(steps))
-    return 1
 
 
-__all__ = ["Element", "locate", "replay"]
+__all__ = ["Element", "explain_first", "locate", "replay"]

@@ -47,7 +47,7 @@ CASE_PROPERTIES = {
     "m": {"type": "integer", "minimum": 1},
     "op": {"enum": ["call", "finalize"]},
     "variant": {"enum": ["full", "mxfp8", "residual_only"]},
-    "family": {"enum": ["normal", "wide_range", "signed_zeros", "nan_inf", "order_sensitive", "tiny"]},
+    "family": {"enum": ["normal", "wide_range", "signed_zeros", "nan_inf", "order_sensitive", "tiny", "captured"]},
     "top_k": {"type": "integer", "minimum": 0},
     "capacity": {"type": "integer", "minimum": 1},
     "seed_offset": _INT,
@@ -245,6 +245,18 @@ MANIFEST_SCHEMA = {
         "first_mismatch": {"anyOf": [{"type": "null"}, MISMATCH_SCHEMA]},
         "mismatches": {"type": "array", "items": MISMATCH_SCHEMA},
         "arrays": {"type": "object", "additionalProperties": ARRAY_ENTRY_SCHEMA},
+        # Only in bundles recorded by mhc_ar.capture (conformance.capture): one rank's view of one
+        # call; its peers' views are the sibling files of the same call.
+        "capture": {
+            "type": "object",
+            "required": ["call", "rank", "tp", "source"],
+            "properties": {
+                "call": {"type": "integer", "minimum": 0},
+                "rank": {"type": "integer", "minimum": 0},
+                "tp": {"type": "integer", "minimum": 1},
+                "source": {"enum": ["AllReduceMHC", "EmulatedAllReduceMHC"]},
+            },
+        },
     },
 }
 

@@ -10,6 +10,10 @@ __version__ = "0.1.0"  # keep equal to pyproject.toml's
 from .allreduce_mhc import AllReduceMHC, EmulatedAllReduceMHC
 from .concurrent import ConcurrentRanks
 from .config import ConsumerTiling, Contribution, Transport, Variant, choose_consumer_tiling, mxfp8_scale_bytes
+from . import recording
+from .recording import capture
+
+recording.start_from_environment()  # MHC_AR_CAPTURE=DIR: capture on for the whole process
 
 __all__ = [
     "AllReduceMHC",
@@ -19,6 +23,7 @@ __all__ = [
     "EmulatedAllReduceMHC",
     "Transport",
     "Variant",
+    "capture",
     "choose_consumer_tiling",
     "mxfp8_scale_bytes",
 ]

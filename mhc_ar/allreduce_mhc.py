@@ -15,6 +15,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from . import recording
 from . import routes as routes_check
 from . import validation as check
 from .compile import compile_consumer, compile_publish, compile_publish_then_consume, compile_tensor_launcher
@@ -393,10 +394,14 @@ class AllReduceMHC:
         if out is None and mxfp8_out is None:
             results = self._launch_fresh(self._call_tensors, x, (x, None, None, None, residual, post, comb, pre, norm_weight), eps)
             if results is not None:
+                if recording.recorder is not None:  # capture (mhc_ar.recording): off, this read is all
+                    self._record(False, {"x": x}, (residual, post, comb, pre, norm_weight), eps, results, mxfp8_out)
                 return results
         launch = self._validated(self._check_call, x, (residual, post, comb, pre, norm_weight), eps, mxfp8_out, out)
         self._launch_call(*launch.contribution, *launch.mix, *launch.outputs, float(eps), x.shape[0], self._rejected, 0)
         self._rejected = 0
+        if recording.recorder is not None:
+            self._record(False, {"x": x}, (residual, post, comb, pre, norm_weight), eps, launch.results, mxfp8_out)
         return launch.results
 
     def finalize(
@@ -423,6 +428,9 @@ class AllReduceMHC:
             tensors = (shared_output, gemm2_permuted, expert_weights, routes, residual, post, comb, pre, norm_weight)
             results = self._launch_fresh(self._finalize_tensors, shared_output, tensors, eps)
             if results is not None:
+                if recording.recorder is not None:
+                    self._record(True, _finalize_contribution(gemm2_permuted, expert_weights, routes, shared_output),
+                                 (residual, post, comb, pre, norm_weight), eps, results, mxfp8_out)
                 if self._check_routes:
                     self._raise_on_invalid_routes(routes, gemm2_permuted.shape[0])
                 return results
@@ -432,9 +440,19 @@ class AllReduceMHC:
         self._launch_finalize(*launch.contribution, *launch.mix, *launch.outputs, float(eps), shared_output.shape[0], self._rejected,
                               launch.gemm2_rows)
         self._rejected = 0
+        if recording.recorder is not None:
+            self._record(True, _finalize_contribution(gemm2_permuted, expert_weights, routes, shared_output), mix, eps,
+                         launch.results, mxfp8_out)
         if self._check_routes:
             self._raise_on_invalid_routes(routes, launch.gemm2_rows)
         return launch.results
+
+    def _record(self, finalize: bool, contribution: dict, mix: tuple, eps, results, mxfp8_out) -> None:
+        """Capture is on (mhc_ar.recording): hand this rank's launched call to the recorder."""
+        recording.recorder.record(
+            source="AllReduceMHC", engine=self._engine, tp=self.tp_size, finalize=finalize, eps=eps,
+            ranks={self.rank: (contribution, mix, results, mxfp8_out)},
+        )
 
     def _raise_on_invalid_routes(self, routes, rows: int) -> None:
         """The debug mode, after a finalize: ValueError if its publish counted invalid entries."""
@@ -534,7 +552,11 @@ class EmulatedAllReduceMHC:
 
     def __call__(self, x, residual, post, comb, pre=None, norm_weight=None, eps: float = 1e-6, *, mxfp8_out=None, out=None):
         launches, tokens = self._counted(self._check_calls, x, residual, post, comb, pre, norm_weight, eps, mxfp8_out, out)
-        return self._run(launches, tokens, float(eps), finalize=False)
+        results = self._run(launches, tokens, float(eps), finalize=False)
+        if recording.recorder is not None:  # capture (mhc_ar.recording): off, this read is all
+            contributions = [{"x": x_r} for x_r in _per_rank(x, "x", self.tp_size)]
+            self._record(False, contributions, (residual, post, comb, pre, norm_weight), eps, results, mxfp8_out)
+        return results
 
     def _check_calls(self, x, residual, post, comb, pre, norm_weight, eps, mxfp8_out, out):
         tp, engine = self.tp_size, self._engine
@@ -572,10 +594,23 @@ class EmulatedAllReduceMHC:
         arguments = (gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx, shared_output, residual, post, comb, pre, norm_weight, eps, mxfp8_out, out)
         launches, tokens = self._counted(self._check_finalizes, *arguments)
         results = self._run(launches, tokens, float(eps), finalize=True)
+        if recording.recorder is not None:
+            tp = self.tp_size
+            columns = [_per_rank(v, n, tp) for v, n in zip(arguments[:4], _FINALIZE_NAMES)]
+            contributions = [_finalize_contribution(*sources) for sources in zip(*columns)]
+            self._record(True, contributions, (residual, post, comb, pre, norm_weight), eps, results, mxfp8_out)
         if self._check_routes:
             self._raise_on_invalid_routes(_per_rank(expanded_idx_to_permuted_idx, "expanded_idx_to_permuted_idx", self.tp_size),
                                           [launch.gemm2_rows for launch in launches])
         return results
+
+    def _record(self, finalize: bool, contributions: list, mix: tuple, eps, results: list, mxfp8_out) -> None:
+        """Capture is on (mhc_ar.recording): every virtual rank's view of the launched call."""
+        mixes = self._mix(*mix)
+        mx = _per_rank_pairs(mxfp8_out, "mxfp8_out", self.tp_size)
+        ranks = {r: (contributions[r], mixes[r], results[r], mx[r]) for r in range(self.tp_size)}
+        recording.recorder.record(source="EmulatedAllReduceMHC", engine=self._engine, tp=self.tp_size, finalize=finalize,
+                                  eps=eps, ranks=ranks)
 
     def invalid_routes(self) -> list[int]:
         """Per virtual rank, as AllReduceMHC.invalid_routes. Synchronizes the device."""
@@ -627,6 +662,13 @@ class EmulatedAllReduceMHC:
             endpoint.reset()
         self._rejected = 0
         self._invalid_routes_seen = [0] * self.tp_size
+
+
+_FINALIZE_NAMES = ("gemm2_permuted", "expert_weights", "expanded_idx_to_permuted_idx", "shared_output")
+
+
+def _finalize_contribution(gemm2_permuted, expert_weights, routes, shared_output) -> dict:
+    return dict(zip(_FINALIZE_NAMES, (gemm2_permuted, expert_weights, routes, shared_output)))
 
 
 def _per_rank_pairs(value, name: str, tp: int) -> list:
