@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU round on a device machine, every step logged under $OUT (default /tmp/mhc_out):
 #   bash scripts/gpu_round.sh [smoke] [rsqrt] [routes] [tests] [concurrent] [out-of-step] [stress] [protocol-cost] [mps] [conformance] [full-a] [full-b] [bench] [eager] [host-timing] ...
+#   [eager-overhead] [capture] [impl-unfused] [impl-mhc_ar] [bench-key]
 #   several GPUs: [topo] [tp-conformance] [tp-graph] [tp-bench] [missing-rank] (NGPU ranks; default all GPUs)
 # Each step runs under `timeout`, so a hung kernel costs minutes, not the whole lease.
 set -u
@@ -42,7 +43,20 @@ for step in "${steps[@]}"; do
                  tests/test_gpu_out_of_step.py tests/test_gpu_unicast.py -k "ipc or processes"; rc=$?; echo quit | nvidia-cuda-mps-control; exit $rc' ;;
         # Same-run cost of the protocol change: this tree against the package before it, copied
         # as .before/mhc_ar_before (scripts/protocol_cost.py says how).
-        protocol-cost) run protocol-cost 400 env PYTHONPATH=".before:${PYTHONPATH:-}" $PY scripts/protocol_cost.py ;;
+        protocol-cost) run protocol-cost 400 env PYTHONPATH=".before:${PYTHONPATH:-}" $PY scripts/protocol_cost.py \
+                           --packages "${COST_PACKAGES:-mhc_ar_before,mhc_ar}" --publish ;;
+        # Eager host time of a call against an earlier copy of the package (capture off: its cost).
+        eager-overhead) run eager-overhead 200 env PYTHONPATH=".before:${PYTHONPATH:-}" $PY scripts/eager_overhead.py \
+                            --packages "${OVERHEAD_PACKAGES:-mhc_ar_precapture,mhc_ar}" ;;
+        # Capture of real calls (issue 15): the toy two-layer loop, eager and in a graph, replayed.
+        capture) run capture 300 $PY -m pytest -q -s -p no:cacheprovider -m gpu tests/test_gpu_capture.py ;;
+        # Another implementation through the gate (issue 14): the plain PyTorch chain, and ours by name.
+        impl-unfused) run impl-unfused 560 $PY -m conformance run --impl torch-unfused --out "$OUT/reports" --run-id unfused-default \
+                          --no-progress --skip-compile-checks --skip-reference-checks --max-bundles 3 ;;
+        impl-mhc_ar) run impl-mhc_ar 560 $PY -m conformance run --impl mhc_ar --require-gpu --out "$OUT/reports" --run-id impl-mhc_ar-default \
+                         --no-progress --skip-compile-checks --skip-reference-checks ;;
+        # The bench at the issue's key points only (the whole sweep: the bench step).
+        bench-key) run bench-key 560 $PY -m conformance.bench --shapes 5120x4,7168x4,7168x8 --m 1,16,128,1024,8192 --out "$OUT/bench" ;;
         conformance-quick) run conformance-quick 300 $PY -m conformance run --quick --require-gpu --out "$OUT/reports" ;;
         # The default matrix, and the full one in two halves (each well under the 10 min a device
         # command may run; session 11: 114 s and 147 s with the checks skipped).
