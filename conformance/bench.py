@@ -461,7 +461,7 @@ def eager_breakdown_us(op, inputs: Inputs, *, emulated: bool) -> dict:
     if engine.together:  # AllReduceMHC
         addresses = engine.launcher(endpoint, finalize=False)
         tensors = engine.tensor_launcher(endpoint, finalize=False)
-        parts["address launcher"] = _per_call_us(lambda: addresses(*launch.contribution, *launch.mix, *launch.outputs, i.eps, tokens, 0))
+        parts["address launcher"] = _per_call_us(lambda: addresses(*launch.contribution, *launch.mix, *launch.outputs, i.eps, tokens, 0, 0))
         parts["tensor launcher"] = _per_call_us(lambda: tensors(i.xs[0], None, None, None, *mix, *out, i.eps, 0))
     # Same run, for comparison: the kernels launched with two host calls (what one call replaces).
     parts["two host launch calls"] = _per_call_us(two_launches)

@@ -75,6 +75,7 @@ class Recorder:
         self._environment: dict | None = None
         self._clean_ranks: set[int] = set()  # ranks whose earlier files in the folder were checked
         self._full: set[int] = set()  # ranks that reached max_bytes
+        self._stream = None  # the stream the snapshots go to the host on (see _to_host)
 
     def record(self, *, source: str, engine, tp: int, finalize: bool, eps, ranks: dict) -> None:
         """One launched call: `ranks` maps each rank this process ran to (contribution dict,
@@ -135,10 +136,23 @@ class Recorder:
                 continue
             if event is not None:
                 event.synchronize()
-            done.append(write_archive(path, manifest, {name: t.cpu() for name, t in arrays.items()}))
+            done.append(write_archive(path, manifest, self._to_host(arrays)))
         self._pending = kept
         self.written += done
         return done
+
+    def _to_host(self, arrays: dict) -> dict:
+        """The snapshots in host memory, copied on a stream of the recorder's own: `.cpu()` on
+        the caller's stream would wait for everything queued there, e.g. a consumer spinning for
+        a peer this thread launches later (measured: mhc_ar.ConcurrentRanks then trapped)."""
+        devices = {t.device for t in arrays.values() if t.is_cuda}
+        if not devices:
+            return dict(arrays)
+        device = devices.pop()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(self._stream):
+            return {name: t.to("cpu") for name, t in arrays.items()}
 
     def _folder_ready(self, rank: int, tp: int) -> bool:
         """A folder with this rank's files of an earlier capture would mix two runs' calls."""
