@@ -201,7 +201,7 @@ def test_run_sweeps_each_shape_and_the_details_at_5120x4(monkeypatch):
     monkeypatch.setattr(bench, "_per_call_us", lambda fn, **kw: 0.5)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
-    monkeypatch.setattr(bench, "copy_bandwidth_gbs", lambda: COPY_GBS)
+    monkeypatch.setattr(bench, "copy_methods_gbs", lambda: {"copy_ in a graph": COPY_GBS - 1, "copy_ on the stream": COPY_GBS})
     monkeypatch.setattr(bench, "tp1_ops", lambda hidden, hc, capacity: events.append(("ops", hidden, hc, capacity)) or {"full": (hidden, hc)})
     monkeypatch.setattr(bench, "measure_tp1", lambda hidden, hc, ms, ops, **kw: [Row(hidden=hidden, hc=hc, m=m, tp=1, fused_us=1.0) for m in ms])
     monkeypatch.setattr(bench, "_measure_details", lambda result, hidden, hc, capacity, full_op: events.append(("details", hidden, hc, capacity, full_op)))
@@ -218,6 +218,8 @@ def test_run_sweeps_each_shape_and_the_details_at_5120x4(monkeypatch):
     ]
     assert [(r.tp, r.hidden, r.hc, r.m) for r in result.tp_rows] == [(8, 5120, 4, m) for m in (1, 16, 1024)]
     assert result.tp_rows[0].consumer_ceiling_fraction is not None
+    # The ceiling is the best of the copy methods (the graph's copy_ was the slowest on the H200).
+    assert result.copy_gbs == COPY_GBS and result.copy_methods_gbs["copy_ in a graph"] == COPY_GBS - 1
     events.clear()
     bench.run(shapes=((5120, 8),), ms=(1, 16), tps=())
     assert events == [("ops", 5120, 8, 16), "empty_cache"]  # no 5120x4: no eager table, no diagnosis
