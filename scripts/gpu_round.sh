@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU round on a device machine, every step logged under $OUT (default /tmp/mhc_out):
 #   bash scripts/gpu_round.sh [smoke] [rsqrt] [routes] [tests] [concurrent] [out-of-step] [stress] [protocol-cost] [mps] [conformance] [full-a] [full-b] [bench] [eager] [host-timing] ...
-#   [eager-overhead] [capture] [impl-unfused] [impl-mhc_ar] [bench-key]
+#   [eager-overhead] [capture] [impl-unfused] [impl-mhc_ar] [bench-key] [bench-5120x4] [bench-7168x8] ...
 #   several GPUs: [topo] [tp-conformance] [tp-graph] [tp-bench] [missing-rank] (NGPU ranks; default all GPUs)
 # Each step runs under `timeout`, so a hung kernel costs minutes, not the whole lease.
 set -u
@@ -87,6 +87,8 @@ for step in "${steps[@]}"; do
         tp-bench) run tp-bench 420 torchrun --nproc-per-node "$NGPU" -m conformance bench-tp --out "$OUT/bench-tp$NGPU" ;;
         tp-graph) run tp-graph 300 torchrun --nproc-per-node "$NGPU" scripts/tp_graph_replay.py --replays 100 ;;
         missing-rank) run missing-rank 120 torchrun --nproc-per-node "$NGPU" scripts/missing_rank.py --timeout 2 ;;
+        # The whole sweep of one shape (the full bench may outlast one device command): bench-5120x4 ...
+        bench-[0-9]*x[0-9]*) run "$step" 560 $PY -m conformance.bench --shapes "${step#bench-}" --out "$OUT/$step" ;;
         *) echo "unknown step $step"; status=1 ;;
     esac
 done
