@@ -93,7 +93,7 @@ def copy_methods_gbs(nbytes: int = COPY_CEILING_BYTES, trials: int = COPY_CEILIN
     """Each of COPY_METHODS: read + write GB/s of its best of `trials` copies of `nbytes`."""
     best = _best_copy_us(nbytes, trials)
     torch.cuda.empty_cache()  # the 2 x nbytes of buffers are gone with _best_copy_us's frame
-    return {method: 2 * nbytes / (us * 1e-6) / 1e9 for method, us in best.items()}
+    return {method: _gbs(2 * nbytes, us) for method, us in best.items()}
 
 
 def _best_copy_us(nbytes: int, trials: int) -> dict:
@@ -340,9 +340,9 @@ def measure_tp1(hidden: int, hc: int, ms, ops, compiled: bool = True, copy_ceili
         row.consumer_bytes = consumer_bytes(1, m, hidden, hc, False)
         # Conservative: the consumer's bytes over the whole fused call (publish included). The
         # difference fused - publish is no consumer time: under PDL the two kernels overlap.
-        row.consumer_gbs = row.consumer_bytes / (row.fused_us * 1e-6) / 1e9
+        row.consumer_gbs = _gbs(row.consumer_bytes, row.fused_us)
         row.fused_bytes = fused_bytes(1, m, hidden, hc, False)
-        row.fused_ceiling_fraction = row.fused_bytes / (row.fused_us * 1e-6) / 1e9 / copy_ceiling_gbs
+        row.fused_ceiling_fraction = _gbs(row.fused_bytes, row.fused_us) / copy_ceiling_gbs
         rows.append(row)
         print(_format_row(row), flush=True)
         # Gone before the next M's are made: at M=8192, H=7168, hc=8 one residual is 940 MB, and

@@ -21,7 +21,6 @@ explains a case's (conformance.repro.explain_first).
 
 from __future__ import annotations
 
-import re
 import sys
 import warnings
 from collections import defaultdict
@@ -36,13 +35,9 @@ from reference import MixInputs, RankInputs, ReductionTree, all_reduce_mhc, vali
 
 from .bundle import SUFFIX, BundleError, is_captured, manifest_fields, read_archive, write_archive
 from .cases import Case, Family
-from .compare import Mismatch, first_mismatch
-from .runner import OUTPUTS, expected_outputs, flashinfer_mxfp8
-
-_RANK_FIELDS = ("x", "gemm2_permuted", "expert_weights", "expanded_idx_to_permuted_idx", "shared_output")
-_MIX_FIELDS = ("residual", "post", "comb", "pre", "norm_weight")
-_FILE = re.compile(r"call(\d+)-rank(\d+)of(\d+)" + re.escape(SUFFIX) + "$")
-
+from .compare import Mismatch
+from .inputs import MIX_FIELDS, RANK_FIELDS
+from .runner import OUTPUTS, compare_output, expected_outputs, flashinfer_mxfp8, second_oracle_mismatches
 
 def bundle_file(call: int, rank: int, tp: int) -> str:
     return f"call{call:06d}-rank{rank}of{tp}{SUFFIX}"
@@ -110,7 +105,9 @@ class Recorder:
         if not chosen:
             return
         validator = engine.validator
-        m = next(iter(chosen.values()))[1][1][0].shape[0]  # residual [M, hc, H]
+        _, first_view, _ = next(iter(chosen.values()))
+        _, (residual, *_), _, _ = first_view  # (contribution, mix, results, mxfp8_out)
+        m = residual.shape[0]
         case = Case(
             tp=tp, hidden=validator.hidden_size, hc=validator.hc, m=m,
             op=Contribution.FINALIZE if finalize else Contribution.CALL, variant=validator.variant,
@@ -182,7 +179,7 @@ class Recorder:
 def _view_tensors(rank: int, contribution: dict, mix: tuple, results, mxfp8_out) -> dict:
     """Rank `rank`'s view as bundle array names -> the caller's tensors."""
     tensors = {f"inputs/rank{rank}.{name}": t for name, t in contribution.items()}
-    tensors |= {f"inputs/mix.{name}": t for name, t in zip(_MIX_FIELDS, mix) if t is not None}
+    tensors |= {f"inputs/mix.{name}": t for name, t in zip(MIX_FIELDS, mix) if t is not None}
     new_residual, layer_input = results
     outputs = {"new_residual": new_residual, "layer_input": layer_input}
     if mxfp8_out is not None:
@@ -234,7 +231,7 @@ def load_call(path) -> CapturedCall:
     """The call a captured bundle belongs to, with the files of every rank (its siblings in the
     same folder); BundleError names what is missing or does not fit."""
     path = Path(path)
-    manifest, _ = read_archive(path)
+    manifest, _ = read_archive(path, arrays=False)
     if not is_captured(manifest):
         raise BundleError(f"{path}: not a captured call (no capture section); replay it with conformance.repro")
     section = manifest["capture"]
@@ -254,9 +251,9 @@ def load_call(path) -> CapturedCall:
         except ValueError as error:
             raise BundleError(f"{file}: {error}") from None
         first_case = first_case or case
-        fields = {name: tensors.get(f"inputs/rank{rank}.{name}") for name in _RANK_FIELDS}
+        fields = {name: tensors.get(f"inputs/rank{rank}.{name}") for name in RANK_FIELDS}
         contributions.append(RankInputs(**fields))
-        mixes[rank] = MixInputs(**{name: tensors.get(f"inputs/mix.{name}") for name in _MIX_FIELDS}, eps=sibling["eps"])
+        mixes[rank] = MixInputs(**{name: tensors.get(f"inputs/mix.{name}") for name in MIX_FIELDS}, eps=sibling["eps"])
         outputs[rank] = {name: tensors[f"kernel/rank{rank}.{name}"] for name in OUTPUTS if f"kernel/rank{rank}.{name}" in tensors}
     tree = None if manifest["reduction_tree"] is None else ReductionTree(**manifest["reduction_tree"])
     captured = CapturedCall(first_case, call, section["source"], manifest["eps"], tree, files, contributions, mixes, outputs,
@@ -348,14 +345,14 @@ def rerun(captured: CapturedCall, contributions: list[RankInputs], mixes: dict[i
     if captured.tree is not None and tree != captured.tree:
         raise BundleError(f"this build's consumer tiling {tree} differs from the recorded {captured.tree}: a rerun "
                           "would sum the RMSNorm in another order (judge with --reference-only)")
-    mix = [[getattr(mixes[r], name) for r in range(tp)] for name in _MIX_FIELDS]
+    mix = [[getattr(mixes[r], name) for r in range(tp)] for name in MIX_FIELDS]
     mx = None
     if captured.mxfp8:
         mx = [(torch.empty(case.m, case.hidden, dtype=torch.float8_e4m3fn, device=device),
                torch.empty(mxfp8_scale_bytes(case.m, case.hidden), dtype=torch.uint8, device=device)) for _ in range(tp)]
     eps = captured.eps
     if case.op is Contribution.FINALIZE:
-        columns = [[getattr(c, name) for c in contributions] for name in _RANK_FIELDS[1:]]
+        columns = [[getattr(c, name) for c in contributions] for name in RANK_FIELDS[1:]]
         results = op.finalize(*columns, *mix, eps, mxfp8_out=mx)
     else:
         results = op([c.x for c in contributions], *mix, eps, mxfp8_out=mx)
@@ -372,33 +369,26 @@ def _compare_rank(expected: dict, outputs: dict, rank: int) -> list[Mismatch]:
     found = []
     for name in OUTPUTS:
         want, got = expected[name], outputs.get(name)
-        if want is None and got is None:
-            continue
-        if want is None or got is None:
-            raise BundleError(f"{name} rank {rank}: {'recorded' if got is None else 'reference'} has no such output")
-        mismatch = first_mismatch(want, got.to(want.device), output=name, rank=rank)
+        if want is not None and got is not None:
+            got = got.to(want.device)  # recorded outputs are on the CPU; a GPU replay's reference is not
+        mismatch = compare_output(want, got, name, rank)
         if mismatch:
             found.append(mismatch)
     return found
 
 
 def _against_flashinfer(outputs: dict, rank: int) -> list[Mismatch]:
-    values, scales = flashinfer_mxfp8(outputs["layer_input"])
-    found = []
-    for name, want in (("mxfp8_values", values), ("mxfp8_scales", scales)):
-        mismatch = first_mismatch(want, outputs[name], output=name, rank=rank, oracle="flashinfer")
-        if mismatch:
-            found.append(mismatch)
-    return found
+    return second_oracle_mismatches(flashinfer_mxfp8, outputs["layer_input"], outputs["mxfp8_values"], outputs["mxfp8_scales"],
+                                    rank=rank)
 
 
 def _to(rank_inputs: RankInputs, device) -> RankInputs:
     return RankInputs(**{name: None if getattr(rank_inputs, name) is None else getattr(rank_inputs, name).to(device)
-                         for name in _RANK_FIELDS})
+                         for name in RANK_FIELDS})
 
 
 def _mix_to(mix: MixInputs, device) -> MixInputs:
-    moved = {name: None if getattr(mix, name) is None else getattr(mix, name).to(device) for name in _MIX_FIELDS}
+    moved = {name: None if getattr(mix, name) is None else getattr(mix, name).to(device) for name in MIX_FIELDS}
     return MixInputs(**moved, eps=mix.eps)
 
 

@@ -70,11 +70,11 @@ class CaseInputs:
         """Every tensor by a stable name (rank{r}.x, rank{r}.gemm2_permuted, ..., mix.residual, ...)."""
         out = {}
         for r, rank in enumerate(self.ranks):
-            for name in _RANK_FIELDS:
+            for name in RANK_FIELDS:
                 value = getattr(rank, name)
                 if value is not None:
                     out[f"rank{r}.{name}"] = value
-        for name in _MIX_FIELDS:
+        for name in MIX_FIELDS:
             value = getattr(self.mix, name)
             if value is not None:
                 out[f"mix.{name}"] = value
@@ -87,11 +87,11 @@ class CaseInputs:
             raise ValueError("inputs: mix.residual is missing")
         ranks = []
         for r in range(tp):
-            fields = {name: tensors.get(f"rank{r}.{name}") for name in _RANK_FIELDS}
+            fields = {name: tensors.get(f"rank{r}.{name}") for name in RANK_FIELDS}
             if fields["x"] is None and fields["shared_output"] is None:
                 raise ValueError(f"inputs: rank{r} has neither x nor the finalize tensors")
             ranks.append(RankInputs(**fields))
-        mix = MixInputs(**{name: tensors.get(f"mix.{name}") for name in _MIX_FIELDS}, eps=eps)
+        mix = MixInputs(**{name: tensors.get(f"mix.{name}") for name in MIX_FIELDS}, eps=eps)
         return cls(ranks, mix)
 
     def to(self, device) -> "CaseInputs":
@@ -100,8 +100,8 @@ class CaseInputs:
         )
 
 
-_RANK_FIELDS = ("x", "gemm2_permuted", "expert_weights", "expanded_idx_to_permuted_idx", "shared_output")
-_MIX_FIELDS = ("residual", "post", "comb", "pre", "norm_weight")
+RANK_FIELDS = ("x", "gemm2_permuted", "expert_weights", "expanded_idx_to_permuted_idx", "shared_output")
+MIX_FIELDS = ("residual", "post", "comb", "pre", "norm_weight")
 
 
 def make_inputs(case: Case, device="cpu") -> CaseInputs:

@@ -325,6 +325,26 @@ def flashinfer_mxfp8(layer_input: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return values, scales.reshape(-1).view(torch.uint8)
 
 
+def compare_output(want: torch.Tensor | None, got: torch.Tensor | None, output: str, rank: int) -> Mismatch | None:
+    """One output of one rank against the reference's; ValueError if only one side has it."""
+    if want is None and got is None:
+        return None
+    if want is None or got is None:
+        raise ValueError(f"{output} rank {rank}: {'kernel' if got is None else 'reference'} has no such output")
+    return first_mismatch(want, got, output=output, rank=rank)
+
+
+def second_oracle_mismatches(second_oracle, layer_input, values, scales, *, rank: int) -> list[Mismatch]:
+    """A rank's MXFP8 values and scales against the second oracle applied to its layer_input."""
+    want_values, want_scales = second_oracle(layer_input)
+    found = []
+    for output, want, got in (("mxfp8_values", want_values, values), ("mxfp8_scales", want_scales, scales)):
+        mismatch = first_mismatch(want, got, output=output, rank=rank, oracle="flashinfer")
+        if mismatch:
+            found.append(mismatch)
+    return found
+
+
 def compare_outputs(
     case: Case,
     kernel: KernelOutputs,
@@ -339,20 +359,12 @@ def compare_outputs(
     found = []
     for output in OUTPUTS:
         for rank in range(case.tp):
-            want, got = expected[output], kernel.get(output, rank)
-            if want is None and got is None:
-                continue
-            if want is None or got is None:
-                raise ValueError(f"{output} rank {rank}: {'kernel' if got is None else 'reference'} has no such output")
-            mismatch = first_mismatch(want, got, output=output, rank=rank)
+            mismatch = compare_output(expected[output], kernel.get(output, rank), output, rank)
             if mismatch:
                 found.append(mismatch)
     if second_oracle is not None and case.variant is Variant.MXFP8:
-        values, scales = second_oracle(kernel.layer_input[0])
-        for output, want in (("mxfp8_values", values), ("mxfp8_scales", scales)):
-            mismatch = first_mismatch(want, kernel.get(output, 0), output=output, rank=0, oracle="flashinfer")
-            if mismatch:
-                found.append(mismatch)
+        found += second_oracle_mismatches(second_oracle, kernel.layer_input[0], kernel.get("mxfp8_values", 0),
+                                          kernel.get("mxfp8_scales", 0), rank=0)
     for output in OUTPUTS:
         for rank in range(1, case.tp):
             if kernel.get(output, 0) is None:

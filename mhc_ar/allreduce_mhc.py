@@ -626,15 +626,8 @@ class EmulatedAllReduceMHC:
 
     def _check_finalizes(self, gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx, shared_output, residual, post, comb, pre, norm_weight, eps, mxfp8_out, out):
         tp, engine = self.tp_size, self._engine
-        per_rank = [
-            _per_rank(v, n, tp)
-            for v, n in (
-                (gemm2_permuted, "gemm2_permuted"),
-                (expert_weights, "expert_weights"),
-                (expanded_idx_to_permuted_idx, "expanded_idx_to_permuted_idx"),
-                (shared_output, "shared_output"),
-            )
-        ]
+        sources = (gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx, shared_output)
+        per_rank = [_per_rank(v, n, tp) for v, n in zip(sources, _FINALIZE_NAMES)]
         tokens = check.check_tokens(per_rank[3][0], "shared_output[0]", engine.capacity)
         mixes = self._mix(residual, post, comb, pre, norm_weight)
         mx, outs = _per_rank_pairs(mxfp8_out, "mxfp8_out", tp), _per_rank_pairs(out, "out", tp)

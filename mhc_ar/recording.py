@@ -14,9 +14,10 @@ turns capture on for the whole process when mhc_ar is imported.
 Costs: with capture off, one module-global read per call and nothing else (no copy). With it on,
 a recorded call enqueues device copies of its inputs and outputs behind the call on its stream
 (no host synchronization; device memory up to max_bytes per rank), and the file is written at a
-later call once they are done, or when capture ends (and at exit). Recording is bounded per rank by `limit` calls and `max_bytes` of arrays; inside
-a CUDA graph capture nothing can be copied, so nothing is recorded (a warning says so once). Every rank of a TP group must capture with the same
-settings, so that the ranks record the same calls (the files of one call share its number).
+later call once they are done, or when capture ends (and at exit). Recording is bounded per rank
+by `limit` calls and `max_bytes` of arrays; inside a CUDA graph capture nothing can be copied, so
+nothing is recorded (a warning says so once). Every rank of a TP group must capture with the
+same settings, so that the ranks record the same calls (the files of one call share its number).
 
 The recorder and the bundle format live in conformance.capture (the judge's side); this module
 only holds the switch, so that mhc_ar imports nothing from conformance while capture is off.
@@ -63,13 +64,13 @@ def stop() -> None:
     """Capture off; the calls recorded so far are written first."""
     global recorder
     active, recorder = recorder, None
-    if active is not None and hasattr(active, "flush"):
+    if active is not None:
         active.flush()
 
 
 @atexit.register
 def _flush_at_exit() -> None:
-    if recorder is not None and hasattr(recorder, "flush"):
+    if recorder is not None:
         recorder.flush()
 
 

@@ -9,7 +9,7 @@ For each package: AllReduceMHC over a one-process group (unicast transport, the 
 real rank takes) and EmulatedAllReduceMHC with tp=1, H=5120, hc=4, M=1 and 16, the call
 without out= (fresh outputs); host wall time per call (conformance.bench._per_call_us: 2000
 calls in 5 batches, median), the packages alternating for ROUNDS rounds; printed is the median of
-each package's rounds and its change against the first package.
+each package's rounds and its change against the first package (protocol_cost.print_rounds).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import statistics
 import sys
 
 import torch
@@ -25,6 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from conformance.bench import _per_call_us, make_inputs  # noqa: E402
+from protocol_cost import print_rounds  # noqa: E402  (scripts/, this file's folder, is on sys.path)
 
 HIDDEN, HC = 5120, 4
 ROUNDS = 7
@@ -56,18 +56,11 @@ def main(argv=None) -> int:
         for m in [int(v) for v in args.m.split(",")]:
             i = make_inputs(1, m, HIDDEN, HC, seed=m)
             x = i.xs[0] if kind == "AllReduceMHC" else i.xs
-            times = {name: [] for name in names}
-            for _ in range(ROUNDS):
-                for name in names:
-                    op = ops[name]
-                    times[name].append(_per_call_us(lambda: op(x, i.residual, i.post, i.comb, i.pre, i.norm_weight, i.eps)))
-            base = statistics.median(times[names[0]])
-            parts = []
-            for name in names:
-                median = statistics.median(times[name])
-                change = "" if name == names[0] else f" ({100 * (median / base - 1):+.1f}%)"
-                parts.append(f"{name} {median:.2f} us{change} [{', '.join(f'{t:.2f}' for t in times[name])}]")
-            print(f"{kind} eager call M={m}: " + "; ".join(parts), flush=True)
+            def eager_call_us(name):
+                op = ops[name]
+                return _per_call_us(lambda: op(x, i.residual, i.post, i.comb, i.pre, i.norm_weight, i.eps))
+
+            print_rounds(f"{kind} eager call M={m}", names, eager_call_us, rounds=ROUNDS)
         del ops
     dist.destroy_process_group()
     return 0

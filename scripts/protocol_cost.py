@@ -57,10 +57,16 @@ def main(argv=None) -> int:
 
 
 def _compare(names, sides, label, launch):
+    print_rounds(label, names, lambda name: graph_time_us([launch(f) for f in sides[name]]))
+
+
+def print_rounds(label: str, names, measure, rounds: int = ROUNDS) -> None:
+    """measure(name) for each package in turn, `rounds` times; prints each package's median,
+    its change against the first package's, and every round's figure."""
     times = {name: [] for name in names}
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         for name in names:
-            times[name].append(graph_time_us([launch(f) for f in sides[name]]))
+            times[name].append(measure(name))
     base = statistics.median(times[names[0]])
     parts = []
     for name in names:
