@@ -325,7 +325,8 @@ def measure_tp1(hidden: int, hc: int, ms, ops, compiled: bool = True, copy_ceili
         quant = [FusedSide(ops["mxfp8"], s, mxfp8=True) for s in sets]
         row = Row(hidden=hidden, hc=hc, m=m, tp=1, fused_us=graph_time_us([f.call for f in full]))
         row.fused_mxfp8_us = graph_time_us([f.call for f in quant])
-        row.publish_us = graph_time_us([f.publish_only for f in full])
+        # At TP = 1 the call is one kernel (no publish: mhc_ar.config.ConsumerSpec.direct).
+        row.publish_us = None if ops["full"]._engine.direct else graph_time_us([f.publish_only for f in full])
         row.unfused_us = graph_time_us([unfused_chain(s, mxfp8=False) for s in sets])
         row.unfused_mxfp8_us = graph_time_us([unfused_chain(s, mxfp8=True) for s in sets])
         if compiled:
@@ -723,7 +724,7 @@ def write_report(result: BenchResult, out: Path) -> None:
             series.setdefault(f"torch.compile {shape}", []).append((r.m, r.compiled_us))
     svg = line_plot_svg(series, x_label="M (tokens)", y_label="us per call", log_x=True, log_y=True)
     rows = "".join(
-        f"<tr><td>{r.hidden}</td><td>{r.hc}</td><td>{r.m}</td><td>{r.fused_us:.2f}</td><td>{r.fused_mxfp8_us:.2f}</td><td>{r.publish_us:.2f}</td>"
+        f"<tr><td>{r.hidden}</td><td>{r.hc}</td><td>{r.m}</td><td>{r.fused_us:.2f}</td><td>{r.fused_mxfp8_us:.2f}</td><td>{_us(r.publish_us)}</td>"
         f"<td>{r.unfused_us:.2f}</td><td>{r.unfused_mxfp8_us:.2f}</td><td>{_us(r.compiled_us)}</td><td>{_us(r.compiled_mxfp8_us)}</td>"
         f"<td>{r.full_plus_quant_us:.2f}</td>"
         f"<td>{r.unfused_us / r.fused_us:.1f}</td><td>{'' if r.consumer_gbs is None else f'{r.consumer_gbs:.0f}'}</td>"

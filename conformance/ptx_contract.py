@@ -236,16 +236,17 @@ def _zero_registers(kernel: _Kernel) -> set[str]:
     return {reg for reg, values in defined.items() if values == {"0"}}
 
 
-def _consumer_stores_before_wait(kernel: _Kernel, variant: Variant) -> PtxCheck:
+def _consumer_stores_before_wait(kernel: _Kernel, variant: Variant, direct: bool = False) -> PtxCheck:
     """PDL: the consumer may store before griddepcontrol.wait only zeros into the MXFP8 padding
     scales (it starts after the publish passed its wait; see the kernel). Any other early
-    store could race a kernel still reading last call's outputs."""
-    name = "stores before griddepcontrol.wait: only MXFP8 padding zeros"
+    store could race a kernel still reading last call's outputs. At tp = 1 (direct) no publish
+    stands between it and the kernel before: no store at all before the wait."""
+    name = "no global store before griddepcontrol.wait" if direct else "stores before griddepcontrol.wait: only MXFP8 padding zeros"
     wait = kernel.first_index(lambda i: i.opcode == "griddepcontrol.wait")
     if wait is None:
         return PtxCheck(name, False, "no griddepcontrol.wait")
     early = _reachable_before(kernel, wait, _is_global_store)
-    if variant is not Variant.MXFP8:
+    if direct or variant is not Variant.MXFP8:
         if early:
             return PtxCheck(name, False, f"line {early[0].line}: {early[0].text} is reachable before the wait")
         return PtxCheck(name, True, "no global store before the wait")
@@ -399,9 +400,31 @@ def _residual_before_spin(kernel: _Kernel, expected: int) -> PtxCheck:
     return PtxCheck(name, len(early) == expected, f"found {len(early)} ld.global.v4.b32 before line {kernel.instructions[first_spin].line}" + (f" (lines {lines})" if early else ""))
 
 
-def check_consumer_ptx(ptx: str, variant: Variant, prefetched_loads: int | None = None) -> list[PtxCheck]:
+def _no_mailbox(kernel: _Kernel) -> PtxCheck:
+    """tp = 1 (direct): the contribution is read in place; no mailbox, spin, re-arm or call tag."""
+    spins, clock = kernel.count(SPIN_LOAD), kernel.matching(_reads_globaltimer)
+    return PtxCheck("no mailbox: no spin load, no deadline", spins == 0 and not clock,
+                    f"{spins} x {SPIN_LOAD}, {len(clock)} globaltimer reads (tp = 1 reads its contribution directly)")
+
+
+def _loads_before_arithmetic(kernel: _Kernel, expected: int) -> PtxCheck:
+    """tp = 1, call: x and the residual streams of every fragment are all loaded before the
+    first fma, so their latencies overlap instead of adding."""
+    name = f"{expected} x and residual loads before the first fma"
+    first = kernel.first_index(lambda i: i.opcode == "fma.rn.f32")
+    if first is None:
+        return PtxCheck(name, False, "no fma.rn.f32")
+    early = [i for i in kernel.instructions[:first] if i.opcode == "ld.global.v4.b32"]
+    return PtxCheck(name, len(early) == expected, f"found {len(early)} ld.global.v4.b32 before line {kernel.instructions[first].line}")
+
+
+def check_consumer_ptx(ptx: str, variant: Variant, prefetched_loads: int | None = None, *, direct: Contribution | None = None,
+                       top_k: int = 0) -> list[PtxCheck]:
     """The consumer's checks; `prefetched_loads` (hc x fragments per thread, or 0 where the
-    residual is loaded after the spin) adds the check of where the residual loads go."""
+    residual is loaded after the spin) adds the check of where the residual loads go. `direct`:
+    the consumer of tp = 1 that computes this contribution itself (ConsumerSpec.direct); then
+    `prefetched_loads` counts the x and residual loads before the first fma (call), and a
+    finalize is held to the publish's route-bound checks (`top_k` routes)."""
     kernel = _Kernel(ptx)
     variant = Variant(variant)
     has_norm = variant is not Variant.RESIDUAL_ONLY
@@ -411,17 +434,30 @@ def check_consumer_ptx(ptx: str, variant: Variant, prefetched_loads: int | None 
         _present(kernel, "add.rn.f32", "reduce in rank order, warp/CTA/cluster sums"),
         _no_ftz_arithmetic(kernel),
         _divisions_are_ieee(kernel),
-        _present(kernel, SPIN_LOAD, "Lamport spin: 16-byte volatile loads"),
-        _sentinel_compares(kernel, "spin"),
-        _spin_compares_integer_lanes(kernel),
-        _one_deadline(kernel),
-        _call_tags_compared(kernel),
-        _present(kernel, "st.global.v4.b32", "re-arm consumed slots and tags, bf16 outputs"),
+    ]
+    if direct is None:
+        checks += [
+            _present(kernel, SPIN_LOAD, "Lamport spin: 16-byte volatile loads"),
+            _sentinel_compares(kernel, "spin"),
+            _spin_compares_integer_lanes(kernel),
+            _one_deadline(kernel),
+            _call_tags_compared(kernel),
+            _present(kernel, "st.global.v4.b32", "re-arm consumed slots and tags, bf16 outputs"),
+        ]
+    else:
+        checks += [_no_mailbox(kernel), _present(kernel, "st.global.v4.b32", "bf16 outputs")]
+    checks += [
         _griddepcontrol_first(kernel),
-        _consumer_stores_before_wait(kernel, variant),
+        _consumer_stores_before_wait(kernel, variant, direct is not None),
         _present(kernel, "cvt.rn.bf16x2.f32", "one rounding to bf16 per stage"),
     ]
-    if prefetched_loads is not None:
+    if direct is not None:
+        checks.append(_dependents_after_wait(kernel))
+        if Contribution(direct) is Contribution.FINALIZE:
+            checks += _route_bounds(kernel, top_k)
+        elif prefetched_loads is not None:
+            checks.append(_loads_before_arithmetic(kernel, prefetched_loads))
+    elif prefetched_loads is not None:
         checks.append(_residual_before_spin(kernel, prefetched_loads))
     if has_norm:
         checks += [
@@ -522,7 +558,10 @@ def check_ptx(spec, ptx: str) -> list[PtxCheck]:
     if isinstance(spec, PublishSpec):
         return check_publish_ptx(ptx, spec.contribution, spec.multicast, spec.tp, spec.top_k)
     if isinstance(spec, ConsumerSpec):
-        prefetched = spec.hc * spec.tiling.fragments_per_thread if spec.prefetch_residual else 0
+        fragments = spec.tiling.fragments_per_thread
+        if spec.direct:
+            return check_consumer_ptx(ptx, spec.variant, (1 + spec.hc) * fragments, direct=spec.contribution, top_k=spec.top_k)
+        prefetched = spec.hc * fragments if spec.prefetch_residual else 0
         return check_consumer_ptx(ptx, spec.variant, prefetched)
     raise ValueError(f"spec must be a PublishSpec or ConsumerSpec, got {type(spec).__name__}")
 
@@ -563,6 +602,8 @@ def describe_spec(spec) -> tuple[str, str]:
     if isinstance(spec, PublishSpec):
         transport = "multicast" if spec.multicast else "unicast"
         return "publish", f"{spec.contribution.value}-{transport}"
+    if spec.direct:
+        return "consumer", f"{spec.variant.value}-{spec.contribution.value}-direct"
     return "consumer", spec.variant.value
 
 

@@ -2,6 +2,8 @@
 
 Per call, two kernels chained with PDL on the current stream: the publish (this rank's
 contribution into every rank's mailbox) and the consumer (spin, reduce, mix, normalize, re-arm).
+At TP = 1 there is nothing to exchange: one kernel, the consumer reading the contribution
+itself (mhc_ar.config.ConsumerSpec.direct).
 Both are compiled once at construction (M is a runtime argument), all protocol state lives on the
 device, so eager calls and CUDA graph replays behave the same.
 """
@@ -18,7 +20,7 @@ import torch
 from . import recording
 from . import routes as routes_check
 from . import validation as check
-from .compile import compile_consumer, compile_publish, compile_publish_then_consume, compile_tensor_launcher
+from .compile import compile_consumer, compile_publish, compile_publish_then_consume, compile_tensor_launcher, consumer_specs
 from .config import (
     DEFAULT_SPIN_TIMEOUT_NS,
     ConsumerSpec,
@@ -193,7 +195,6 @@ class _Engine:
         self.publish_specs = {False: PublishSpec(contribution=Contribution.CALL, top_k=0, **common)}
         if top_k >= 1:
             self.publish_specs[True] = PublishSpec(contribution=Contribution.FINALIZE, top_k=top_k, **common)
-        self._publish = {finalize: _positional(compile_publish(spec).function) for finalize, spec in self.publish_specs.items()}
         spec = ConsumerSpec(
             choose_consumer_tiling(hidden_size),
             hc=hc_mult,
@@ -202,36 +203,47 @@ class _Engine:
             variant=variant,
             spin_timeout_ns=int(spin_timeout_s * 1e9),
         )
-        self._build_consumer(spec)
+        # At tp = 1 the consumer computes the contribution itself: no publish is built or launched.
+        self.direct = spec.direct
+        self._publish = {} if self.direct else {
+            finalize: _positional(compile_publish(publish).function) for finalize, publish in self.publish_specs.items()
+        }
+        self._build_consumers(consumer_specs(spec, top_k))
 
-    def _build_consumer(self, spec: ConsumerSpec) -> None:
-        self.consumer_spec = spec
-        self.consumer = compile_consumer(spec)
-        self._consume = _positional(self.consumer.function)
+    def _build_consumers(self, specs: dict) -> None:
+        """specs: finalize -> ConsumerSpec (mhc_ar.compile.consumer_specs)."""
+        self.consumer_specs = specs
+        self.consumer_spec = specs[False]  # the call's (at tp > 1 the finalize's too)
+        self._consume = {finalize: _positional(compile_consumer(spec).function) for finalize, spec in specs.items()}
         self._both, self._tensors = {}, {}
         if self.together:
             self._both = {
-                finalize: _positional(compile_publish_then_consume(publish, spec).function)
+                finalize: _positional(compile_publish_then_consume(publish, specs[finalize]).function)
                 for finalize, publish in self.publish_specs.items()
             }
-            if spec.variant is not Variant.MXFP8:
+            if self.consumer_spec.variant is not Variant.MXFP8:
                 self._tensors = {
-                    finalize: _positional(compile_tensor_launcher(publish, spec).function)
+                    finalize: _positional(compile_tensor_launcher(publish, specs[finalize]).function)
                     for finalize, publish in self.publish_specs.items()
                 }
 
     def omit_for_diagnosis(self, stages) -> None:
-        """Bench only: rebuild the consumer with stages of mhc_ar.config.DIAGNOSTIC_STAGES left
+        """Bench only: rebuild the consumers with stages of mhc_ar.config.DIAGNOSTIC_STAGES left
         out, to time what they cost. The outputs then break the numerics contract."""
-        self._build_consumer(dataclasses.replace(self.consumer_spec, omit=frozenset(stages)))
+        omit = frozenset(stages)
+        self._build_consumers({finalize: dataclasses.replace(spec, omit=omit) for finalize, spec in self.consumer_specs.items()})
 
     def publish(self, endpoint: RankEndpoint, launch: _Launch, tokens: int, finalize: bool, rejected: int = 0) -> None:
-        """The publish alone; `rejected`: this rank's calls rejected since its last launch."""
+        """The publish alone; `rejected`: this rank's calls rejected since its last launch. At
+        tp = 1 there is none (the consumer reads the contribution): nothing is launched."""
+        if self.direct:
+            return
         post = launch.mix[1]
         self._publish[finalize](*launch.contribution, post, *endpoint.publish_arguments, tokens, rejected, launch.gemm2_rows)
 
-    def consume(self, endpoint: RankEndpoint, launch: _Launch, eps: float, tokens: int) -> None:
-        self._consume(endpoint.mailbox_address, endpoint.state, *launch.mix, *launch.outputs, eps, tokens)
+    def consume(self, endpoint: RankEndpoint, launch: _Launch, eps: float, tokens: int, finalize: bool = False) -> None:
+        self._consume[finalize](endpoint.mailbox_address, endpoint.state, *launch.contribution, *launch.mix, *launch.outputs, eps,
+                                tokens, launch.gemm2_rows)
 
     def launcher(self, endpoint: RankEndpoint, finalize: bool):
         """One rank's whole call as one host call, its per-rank arguments bound:
@@ -646,7 +658,7 @@ class EmulatedAllReduceMHC:
             self._engine.publish(endpoint, launch, tokens, finalize, self._rejected)
         self._rejected = 0
         for endpoint, launch in zip(self.endpoints, launches):
-            self._engine.consume(endpoint, launch, eps, tokens)
+            self._engine.consume(endpoint, launch, eps, tokens, finalize)
         return [launch.results for launch in launches]
 
     def reset(self) -> None:

@@ -9,6 +9,7 @@ checks its PTX.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import tempfile
 from dataclasses import dataclass
@@ -82,11 +83,12 @@ def compile_consumer(spec: ConsumerSpec, arch: str | None = None, keep_ptx: bool
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     function = _compile(
         ConsumerKernel(spec),
-        zero,
+        zero,  # mailbox
         _fake_state(),
-        *([zero] * 9),
+        *([zero] * 13),  # source .. routes, residual .. mx_scales
         Float32(1e-6),
-        Int32(1),
+        Int32(1),  # num_tokens
+        Int32(0),  # gemm2_rows
         stream,
         arch=arch, keep_ptx=keep_ptx,
     )
@@ -174,31 +176,46 @@ def publish_name(spec: PublishSpec) -> str:
 
 def consumer_name(spec: ConsumerSpec) -> str:
     omitted = "".join(f"-no_{stage}" for stage in sorted(spec.omit))
-    return f"consumer-{spec.variant.value}-H{spec.hidden_size}-hc{spec.hc}-tp{spec.tp}{omitted}"
+    direct = f"-{spec.contribution.value}-k{spec.top_k}" if spec.direct else ""
+    return f"consumer-{spec.variant.value}-H{spec.hidden_size}-hc{spec.hc}-tp{spec.tp}{direct}{omitted}"
 
 
 def kernel_variants(hidden_size: int = 5120, hc: int = 4, tp: int = 8, capacity: int = 128, top_k: int = 8):
-    """Every kernel variant the package builds, for one shape: 4 publish + 3 consumer specs (2
-    consumers where hidden_size % 128 rules the MXFP8 variant out)."""
+    """Every kernel variant the package builds, for one shape: at tp > 1, 4 publish + 3 consumer
+    specs (2 consumers where hidden_size % 128 rules the MXFP8 variant out); at tp = 1 no
+    publish, and each consumer variant once per contribution (call, finalize)."""
     specs: list[PublishSpec | ConsumerSpec] = []
-    for contribution in Contribution:
-        for multicast in (False, True):
-            specs.append(
-                PublishSpec(
-                    hidden_size=hidden_size,
-                    tp=tp,
-                    capacity=capacity,
-                    contribution=contribution,
-                    top_k=top_k if contribution is Contribution.FINALIZE else 0,
-                    multicast=multicast,
-                    hc=hc,
+    if tp > 1:
+        for contribution in Contribution:
+            for multicast in (False, True):
+                specs.append(
+                    PublishSpec(
+                        hidden_size=hidden_size,
+                        tp=tp,
+                        capacity=capacity,
+                        contribution=contribution,
+                        top_k=top_k if contribution is Contribution.FINALIZE else 0,
+                        multicast=multicast,
+                        hc=hc,
+                    )
                 )
-            )
     tiling = choose_consumer_tiling(hidden_size)
     for variant in Variant:
         if variant is Variant.MXFP8 and hidden_size % (4 * MXFP8_BLOCK):
             continue
-        specs.append(ConsumerSpec(tiling, hc=hc, tp=tp, capacity=capacity, variant=variant))
+        base = ConsumerSpec(tiling, hc=hc, tp=tp, capacity=capacity, variant=variant)
+        specs += list(dict.fromkeys(consumer_specs(base, top_k).values()))  # one spec serves both at tp > 1
+    return specs
+
+
+def consumer_specs(spec: ConsumerSpec, top_k: int) -> dict[bool, ConsumerSpec]:
+    """finalize (False, True where top_k >= 1) -> the consumer of those calls: one spec at
+    tp > 1 (the publish computes the contribution), one per contribution at tp = 1 (direct)."""
+    if not spec.direct:
+        return {False: spec, True: spec} if top_k >= 1 else {False: spec}
+    specs = {False: dataclasses.replace(spec, contribution=Contribution.CALL, top_k=0)}
+    if top_k >= 1:
+        specs[True] = dataclasses.replace(spec, contribution=Contribution.FINALIZE, top_k=top_k)
     return specs
 
 

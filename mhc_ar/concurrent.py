@@ -156,9 +156,13 @@ class ConcurrentRanks:
         cluster = tiling.cluster_size if spec.variant is not Variant.RESIDUAL_ONLY else 1
         with torch.cuda.device(self.device):
             torch.cuda.current_stream()  # the primary context is current on this thread
-            footprints = [measure_footprint(compile_consumer(spec, keep_ptx=True), tiling.threads_per_cta, cluster)]
-            for publish in engine.publish_specs.values():
-                footprints.append(measure_footprint(compile_publish(publish, keep_ptx=True), publish.threads_per_cta))
+            footprints = [
+                measure_footprint(compile_consumer(consumer, keep_ptx=True), tiling.threads_per_cta, cluster)
+                for consumer in dict.fromkeys(engine.consumer_specs.values())
+            ]
+            if not engine.direct:  # at tp = 1 no publish runs
+                for publish in engine.publish_specs.values():
+                    footprints.append(measure_footprint(compile_publish(publish, keep_ptx=True), publish.threads_per_cta))
         publish = engine.publish_specs[False]
         grid = InstanceGrid(tiling.cluster_size, publish.hidden_size // VECTOR_ELEMS, publish.threads_per_cta)
         return grid, footprints

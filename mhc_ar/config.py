@@ -159,6 +159,12 @@ class ConsumerSpec:
     capacity: int
     variant: Variant
     spin_timeout_ns: int = DEFAULT_SPIN_TIMEOUT_NS
+    # At tp = 1 there is nothing to exchange: the consumer computes the rank's contribution
+    # itself (x, or the MoE finalize sum; contract steps 1-2) and a call is this one kernel, with
+    # no mailbox, publish, spin or call tag (`direct`). These two say which contribution; at
+    # tp > 1 the publish computes it, and one consumer serves both (CALL, 0).
+    contribution: Contribution = Contribution.CALL
+    top_k: int = 0
     # Diagnosis only (the bench times a variant with a stage left out; outputs then break the
     # contract): a subset of DIAGNOSTIC_STAGES. Never set by AllReduceMHC.
     omit: frozenset = frozenset()
@@ -172,10 +178,18 @@ class ConsumerSpec:
         _check_hc(self.hc)
         if self.variant is Variant.MXFP8 and self.tiling.hidden_size % (4 * MXFP8_BLOCK):
             raise ValueError("the MXFP8 variant needs hidden_size to be a multiple of 128")
+        if self.tp > 1 and (self.contribution, self.top_k) != (Contribution.CALL, 0):
+            raise ValueError("at tp > 1 the publish computes the contribution: the consumer takes (CALL, top_k=0)")
+        _check_contribution(self.contribution, self.top_k)
 
     @property
     def hidden_size(self) -> int:
         return self.tiling.hidden_size
+
+    @property
+    def direct(self) -> bool:
+        """tp = 1: the consumer reads its contribution itself (see `contribution`)."""
+        return self.tp == 1
 
     @property
     def prefetch_residual(self) -> bool:
@@ -209,10 +223,7 @@ class PublishSpec:
     def __post_init__(self):
         _check_sizes(self.hidden_size, self.tp, self.capacity)
         _check_hc(self.hc)
-        if self.contribution is Contribution.FINALIZE and self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1 for finalize, got {self.top_k}")
-        if self.contribution is Contribution.CALL and self.top_k != 0:
-            raise ValueError("top_k is a finalize parameter; the call publish takes top_k=0")
+        _check_contribution(self.contribution, self.top_k)
         if self.threads_per_cta % WARP_SIZE or not 0 < self.threads_per_cta <= MAX_THREADS_PER_CTA:
             raise ValueError(f"threads_per_cta must be a multiple of {WARP_SIZE}, got {self.threads_per_cta}")
 
@@ -232,6 +243,13 @@ def _check_sizes(hidden_size: int, tp: int, capacity: int) -> None:
     # Byte offsets are 64-bit; token and vector indices are 32-bit.
     if capacity * (hidden_size // VECTOR_ELEMS) >= 2**31:
         raise ValueError("max_num_tokens * hidden_size / 8 must stay below 2**31")
+
+
+def _check_contribution(contribution: Contribution, top_k: int) -> None:
+    if contribution is Contribution.FINALIZE and top_k < 1:
+        raise ValueError(f"top_k must be >= 1 for finalize, got {top_k}")
+    if contribution is Contribution.CALL and top_k != 0:
+        raise ValueError("top_k is a finalize parameter; the call takes top_k=0")
 
 
 def _check_hc(hc: int) -> None:

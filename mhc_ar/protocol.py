@@ -39,7 +39,11 @@ works; choosing the generation on the host would freeze it into the graph):
 * ``state[INVALID_ROUTES]``: how many route entries of this rank's finalize calls so far were
   neither -1 nor a row of gemm2_permuted (each contributes nothing, as -1 does). Only ever
   incremented, atomically, by the finalize publish (the thread of a token's first vector, once
-  per bad entry); read by the host (AllReduceMHC.invalid_routes), never by a kernel's logic.
+  per bad entry; at tp = 1, where the consumer computes the contribution itself, by the
+  consumer's); read by the host (AllReduceMHC.invalid_routes), never by a kernel's logic.
+
+At tp = 1 there is nothing to exchange and none of this runs: the consumer reads the rank's
+contribution in place (mhc_ar.config.ConsumerSpec.direct), and the mailbox has no rows.
 
 One writer per word per kernel, so no CTA ever reads a word that another CTA of the same grid
 writes (the atomic counter aside: no kernel decides anything on it).

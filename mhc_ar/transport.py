@@ -6,6 +6,9 @@
   caller's TP group gives every peer's mailbox address.
 * multicast: one NVLink multicast address reaches every mailbox (GB200/GB300). It is never
   created on a machine that lacks it: this package refuses on Hopper before any allocation.
+
+At tp = 1 nothing is exchanged (the consumer reads the contribution in place:
+mhc_ar.config.ConsumerSpec.direct): every transport gives an empty mailbox and no peers.
 """
 
 from __future__ import annotations
@@ -69,7 +72,15 @@ def _pad(addresses: list[int]) -> tuple[int, ...]:
     return tuple(addresses) + (0,) * (MAX_TP - len(addresses))
 
 
+def _direct_endpoint(rank: int, hidden_size: int, device: torch.device) -> RankEndpoint:
+    """tp = 1: no mailbox rows (the kernel never reads one), only the state (invalid routes)."""
+    mailbox = torch.empty(mailbox_shape(1, 0, hidden_size), dtype=torch.bfloat16, device=device)
+    return RankEndpoint(rank, 1, mailbox, torch.zeros(STATE_WORDS, dtype=torch.int32, device=device), _pad([]))
+
+
 def emulated_endpoints(tp: int, capacity: int, hidden_size: int, device: torch.device) -> list[RankEndpoint]:
+    if tp == 1:
+        return [_direct_endpoint(0, hidden_size, device)]
     shape = mailbox_shape(tp, capacity, hidden_size)
     mailboxes = [_arm(torch.empty(shape, dtype=torch.bfloat16, device=device)) for _ in range(tp)]
     addresses = _pad([m.data_ptr() for m in mailboxes])
@@ -95,6 +106,8 @@ def unicast_endpoint(group, capacity: int, hidden_size: int, device: torch.devic
     tp = dist.get_world_size(group)
     if tp > MAX_TP:
         raise ValueError(f"group has {tp} ranks; at most {MAX_TP} are supported")
+    if tp == 1:
+        return _direct_endpoint(rank, hidden_size, device)
     mailbox = symm_mem.empty(mailbox_shape(tp, capacity, hidden_size), dtype=torch.bfloat16, device=device)
     _arm(mailbox)
     handle = symm_mem.rendezvous(mailbox, group)
@@ -120,6 +133,8 @@ def multicast_endpoint(group, capacity: int, hidden_size: int, device: torch.dev
     if os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST") == "1":
         raise ValueError("transport='multicast' requested but TORCH_SYMM_MEM_DISABLE_MULTICAST=1 is set")
     endpoint = unicast_endpoint(group, capacity, hidden_size, device)
+    if endpoint.tp == 1:
+        return endpoint  # nothing to multicast to
     if not endpoint.handle.multicast_ptr:
         raise ValueError("symmetric memory returned no multicast address for this group")
     return dataclasses.replace(endpoint, multicast_address=endpoint.handle.multicast_ptr)

@@ -115,7 +115,7 @@ def _ipc_worker(rank: int, world: int, mailboxes, results) -> None:
             else:
                 launch = engine.validator.check_call(mine.x, mixed, mix.eps, None, None)
             engine.publish(endpoint, launch, m, finalize)
-            engine.consume(endpoint, launch, mix.eps, m)
+            engine.consume(endpoint, launch, mix.eps, m, finalize)
             torch.cuda.synchronize()
             ref = all_reduce_mhc(ranks, mix, tree=tree, mxfp8=False)
             for name, got, want in zip(("new_residual", "layer_input"), launch.results, (ref.new_residual, ref.layer_input)):

@@ -156,3 +156,72 @@ def test_tensor_launcher_checks_every_tensor_before_launching(contribution, vari
     }
     for name, declared in wanted.items():
         assert f"{name}: {declared}" in signature, f"{name}: expected {declared} in {signature}"
+
+
+# ---- tp = 1: one kernel, the consumer reading the contribution in place (ConsumerSpec.direct) ----
+
+
+def _direct(variant: Variant, contribution: Contribution) -> tuple[PublishSpec, ConsumerSpec]:
+    from mhc_ar.compile import consumer_specs
+
+    top_k = TOP_K if contribution is Contribution.FINALIZE else 0
+    publish = PublishSpec(hidden_size=H, tp=1, capacity=CAPACITY, contribution=contribution, top_k=top_k, multicast=False, hc=HC)
+    base = ConsumerSpec(choose_consumer_tiling(H), hc=HC, tp=1, capacity=CAPACITY, variant=variant)
+    return publish, consumer_specs(base, TOP_K)[contribution is Contribution.FINALIZE]
+
+
+@pytest.mark.parametrize("contribution", list(Contribution))
+@pytest.mark.parametrize("variant", list(Variant))
+def test_at_tp1_the_one_call_launcher_holds_the_consumer_alone(contribution, variant):
+    publish, consumer = _direct(variant, contribution)
+    assert consumer.direct and consumer.contribution is contribution
+    both = _entries(compile_publish_then_consume(publish, consumer, "sm_90a", keep_ptx=True).ptx)
+    alone = _entries(compile_consumer(consumer, "sm_90a", keep_ptx=True).ptx)
+    assert len(both) == 1 and both == alone, "at tp = 1 the launcher must launch the consumer alone"
+    if variant is not Variant.MXFP8:
+        tensors = _entries(compile_tensor_launcher(publish, consumer, "sm_90a", keep_ptx=True).ptx)
+        assert tensors == alone
+
+
+def test_tp1_consumers_follow_the_contribution_and_tp_above_one_share_one():
+    from mhc_ar.compile import consumer_specs, kernel_variants
+
+    base = ConsumerSpec(choose_consumer_tiling(H), hc=HC, tp=1, capacity=CAPACITY, variant=Variant.FULL)
+    specs = consumer_specs(base, TOP_K)
+    assert (specs[False].contribution, specs[False].top_k) == (Contribution.CALL, 0)
+    assert (specs[True].contribution, specs[True].top_k) == (Contribution.FINALIZE, TOP_K)
+    assert consumer_name(specs[True]).endswith(f"-tp1-finalize-k{TOP_K}")
+    shared = consumer_specs(dataclasses.replace(base, tp=2), TOP_K)
+    assert shared[False] is shared[True] and not shared[False].direct
+    tp1 = kernel_variants(hidden_size=H, hc=HC, tp=1, top_k=TOP_K)
+    assert all(isinstance(s, ConsumerSpec) and s.direct for s in tp1) and len(tp1) == 2 * len(Variant)
+    with pytest.raises(ValueError, match="tp > 1"):
+        dataclasses.replace(base, tp=2, contribution=Contribution.FINALIZE, top_k=TOP_K)
+    with pytest.raises(ValueError, match="top_k"):
+        dataclasses.replace(base, contribution=Contribution.FINALIZE, top_k=0)
+
+
+def test_direct_and_mailbox_consumers_fail_each_others_contract():
+    """The contract tells the two apart: a tp = 1 consumer has no spin and stores nothing before
+    its wait; held to the mailbox rules it fails them, and the reverse."""
+    from conformance.ptx_contract import check_consumer_ptx, check_ptx
+
+    _, direct = _direct(Variant.MXFP8, Contribution.CALL)
+    mailbox = _consumer(Variant.MXFP8)
+    direct_ptx = compile_consumer(direct, "sm_90a", keep_ptx=True).ptx
+    mailbox_ptx = compile_consumer(mailbox, "sm_90a", keep_ptx=True).ptx
+    assert all(c.passed for c in check_ptx(direct, direct_ptx))
+    assert all(c.passed for c in check_ptx(mailbox, mailbox_ptx))
+    as_mailbox = {c.name for c in check_consumer_ptx(direct_ptx, Variant.MXFP8, 0) if not c.passed}
+    assert "has ld.volatile.global.v4.b32" in as_mailbox and "call tags compared, mismatch traps" in as_mailbox
+    as_direct = {c.name for c in check_consumer_ptx(mailbox_ptx, Variant.MXFP8, 1 + HC, direct=Contribution.CALL) if not c.passed}
+    assert {"no mailbox: no spin load, no deadline", "no global store before griddepcontrol.wait"} <= as_direct
+
+
+def test_direct_finalize_consumer_holds_the_route_bounds():
+    from conformance.ptx_contract import check_ptx
+
+    _, consumer = _direct(Variant.FULL, Contribution.FINALIZE)
+    checks = {c.name: c for c in check_ptx(consumer, compile_consumer(consumer, "sm_90a", keep_ptx=True).ptx)}
+    assert checks[f"{TOP_K} predicated gemm2 row loads"].passed and checks[f"{TOP_K} x red.relaxed.gpu.global.add.u32"].passed
+    assert all(c.passed for c in checks.values()), [c for c in checks.values() if not c.passed]

@@ -7,7 +7,9 @@ warps in order through shared memory, CTAs in order through distributed shared m
 MXFP8 block maximum (4 adjacent lanes hold one 32-value block).
 
 Contract steps (SPEC.md) as they appear below: 3 reduce, 4 post_mix, 5 collapse, 6 rms_norm,
-7 mxfp8. Steps 1-2 happened in the publish kernel.
+7 mxfp8. Steps 1-2 happened in the publish kernel; at tp = 1 (ConsumerSpec.direct) there is no
+publish and no mailbox: this kernel loads the contribution itself (step 1; the scrub of step 2
+changes no reduce result at tp = 1, since +0.0 + -0.0 = +0.0) and a call is this one kernel.
 
 Protocol checks (mhc_ar.protocol): every wait of a CTA (each rank's 16 bytes of each fragment, and
 the call tags) shares one deadline, taken once after griddepcontrol.wait; and CTA 0 of each
@@ -35,6 +37,7 @@ from flashinfer.quantization.quantization_cute_dsl_utils import (
 from .. import ptx
 from ..config import (
     MXFP8_BLOCK,
+    Contribution,
     VECTOR_ELEMS,
     VECTORS_PER_MXFP8_BLOCK,
     WARP_SIZE,
@@ -55,6 +58,7 @@ from ..protocol import (
     row_elems,
     tag_byte_offset,
 )
+from .contribution import finalize_sum, load_x
 
 _F32_BYTES = 4
 _WORDS = 4  # 32-bit words per 16-byte vector
@@ -82,7 +86,10 @@ class ConsumerKernel:
     """Compile-time configuration in `__init__`, launch in `__call__`, device code in `kernel`.
 
     Pointer arguments are raw device addresses (Int64); those a variant does not use are 0:
-    mailbox       this rank's mailbox [3, tp, capacity, H + pad] bf16 (mhc_ar.protocol)
+    mailbox       this rank's mailbox [3, tp, capacity, H + pad] bf16 (mhc_ar.protocol); unused
+                  at tp = 1
+    source, gemm2, weights, routes, gemm2_rows
+                  the contribution (see PublishKernel), read only at tp = 1 (direct)
     residual      [M, hc, H] bf16          new_residual  [M, hc, H] bf16 (out)
     post          [M, hc] fp32             comb          [M, hc, hc] fp32 [source, target]
     pre           [M, hc] fp32             norm_weight   [H] bf16
@@ -96,6 +103,7 @@ class ConsumerKernel:
         self.tiling = spec.tiling
         self.has_norm = spec.variant is not Variant.RESIDUAL_ONLY
         self.has_mxfp8 = spec.variant is Variant.MXFP8
+        self.direct = spec.direct
         # The cross-CTA sum needs a cluster; residual-only has no cross-CTA step.
         self.cluster = self.tiling.cluster_size if self.has_norm else 1
 
@@ -104,6 +112,10 @@ class ConsumerKernel:
         self,
         mailbox: Int64,
         state: cute.Tensor,
+        source: Int64,
+        gemm2: Int64,
+        weights: Int64,
+        routes: Int64,
         residual: Int64,
         post: Int64,
         comb: Int64,
@@ -115,11 +127,14 @@ class ConsumerKernel:
         mx_scales: Int64,
         eps: Float32,
         num_tokens: Int32,
+        gemm2_rows: Int32,
         stream,
     ):
         tiling, spec = self.tiling, self.spec
-        args = (mailbox, state, residual, post, comb, pre, norm_weight, new_residual, layer_input)
-        self.kernel(*args, mx_values, mx_scales, eps, num_tokens).launch(
+        contribution = (source, gemm2, weights, routes)
+        mix = (residual, post, comb, pre, norm_weight)
+        self.kernel(mailbox, state, *contribution, *mix, new_residual, layer_input, mx_values, mx_scales, eps, num_tokens,
+                    gemm2_rows).launch(
             grid=[num_tokens * tiling.cluster_size, 1, 1],
             block=[tiling.threads_per_cta, 1, 1],
             cluster=[self.cluster, 1, 1],
@@ -136,6 +151,10 @@ class ConsumerKernel:
         self,
         mailbox: Int64,
         state: cute.Tensor,
+        source: Int64,
+        gemm2: Int64,
+        weights: Int64,
+        routes: Int64,
         residual: Int64,
         post: Int64,
         comb: Int64,
@@ -147,6 +166,7 @@ class ConsumerKernel:
         mx_scales: Int64,
         eps: Float32,
         num_tokens: Int32,
+        gemm2_rows: Int32,
     ):
         spec, tiling = self.spec, self.tiling
         hidden, hc, tp = spec.hidden_size, spec.hc, spec.tp
@@ -168,22 +188,26 @@ class ConsumerKernel:
             # memory; the matching wait sits right before the first remote store.
             cute.arch.cluster_arrive_relaxed()
 
-        if cutlass.const_expr(self.has_mxfp8 and "padding_scales" not in spec.omit):
+        zero_padding = self.has_mxfp8 and "padding_scales" not in spec.omit
+        if cutlass.const_expr(zero_padding and not self.direct):
             # Stores only, of zeros, into scale rows no token of this call owns: issued before the
             # PDL wait so they overlap the publish. Safe: this kernel starts only once the publish
             # has passed its own griddepcontrol.wait (it triggers dependents after it), so every
             # kernel before the publish (e.g. a GEMM still reading last call's scales) has
-            # finished; the publish itself never touches the scales.
+            # finished; the publish itself never touches the scales. (At tp = 1 there is no
+            # publish in between: the kernel before this one may still read them.)
             self._zero_padding_scales(bid, tid, num_tokens, mx_scales)
 
         # PDL: nothing a preceding kernel wrote (mailbox, generation, inputs) is read before this.
         cute.arch.griddepcontrol_wait()
-        # The generation first: every mailbox address depends on it. One load per thread (the
-        # publish reads its state words once per CTA, through shared memory). Here one per CTA
-        # through shared memory measured no faster (equal within noise in session 12's cost
-        # table, slower in session 11's; notes/device-log.md), and it needs a barrier.
         state_address = state.iterator.toint()
-        generation = Int64(ptx.ld_volatile_u32(state_address + CONSUME_GENERATION * STATE_WORD_BYTES))
+        generation = Int64(0)
+        if cutlass.const_expr(not self.direct):
+            # The generation first: every mailbox address depends on it. One load per thread (the
+            # publish reads its state words once per CTA, through shared memory). Here one per CTA
+            # through shared memory measured no faster (equal within noise in session 12's cost
+            # table, slower in session 11's; notes/device-log.md), and it needs a barrier.
+            generation = Int64(ptx.ld_volatile_u32(state_address + CONSUME_GENERATION * STATE_WORD_BYTES))
         # What this thread reads that no peer writes (the mix coefficients and, where the
         # registers allow, its fragments' residual streams: ConsumerSpec.prefetch_residual) is
         # loaded now too, so its latency hides under the generation's and the mailbox's instead
@@ -198,6 +222,7 @@ class ConsumerKernel:
             pre_t = [ptx.ld_global_f32(pre + (row * hc + t) * _F32_BYTES) for t in range(hc)]
         fragments = []  # (vector, column, valid) of each fragment this thread owns
         residual_words = []  # per fragment: hc packed vectors, residual[token, s, column]
+        contributions = []  # per fragment, at tp = 1: the contribution's packed vector
         for k in cutlass.range_constexpr(tiling.fragments_per_thread):
             local = tid + k * threads
             vector = cta * per_cta + local
@@ -206,45 +231,53 @@ class ConsumerKernel:
                 valid = (local < per_cta) & (vector < tiling.num_vectors)
             column = Int64(vector) * VECTOR_ELEMS
             fragments.append((vector, column, valid))
+            if cutlass.const_expr(self.direct):
+                contributions.append(self._contribution(source, gemm2, weights, routes, gemm2_rows, row, vector, column, valid,
+                                                        state_address))
             if cutlass.const_expr(spec.prefetch_residual):
                 residual_words.append(self._load_residual(residual, row, column, valid))
+        if cutlass.const_expr(zero_padding and self.direct):
+            self._zero_padding_scales(bid, tid, num_tokens, mx_scales)
         cute.arch.griddepcontrol_launch_dependents()
-        deadline = ptx.deadline_after(spec.spin_timeout_ns)
-
-        row_bytes = row_elems(hidden) * BF16_BYTES  # mailbox[g, r, m] -> mailbox[g, r, m+1]
-        rank_stride = Int64(spec.capacity * row_bytes)  # mailbox[g, r] -> mailbox[g, r+1]
-        generation_base = mailbox + generation * (tp * rank_stride)
-        token_base = generation_base + row * row_bytes
-
-        # Call tags: lane r of CTA 0's first warp holds rank r's (loaded with the first fragment's
-        # data, checked as soon as that has landed, so its latency hides under the data's).
-        tag_checker = (cta == 0) & (tid < tp)
-        tag_address = token_base + tag_byte_offset(hidden) + rank_stride * Int64(tid)
+        if cutlass.const_expr(not self.direct):
+            deadline = ptx.deadline_after(spec.spin_timeout_ns)
+            row_bytes = row_elems(hidden) * BF16_BYTES  # mailbox[g, r, m] -> mailbox[g, r, m+1]
+            rank_stride = Int64(spec.capacity * row_bytes)  # mailbox[g, r] -> mailbox[g, r+1]
+            generation_base = mailbox + generation * (tp * rank_stride)
+            token_base = generation_base + row * row_bytes
+            # Call tags: lane r of CTA 0's first warp holds rank r's (loaded with the first
+            # fragment's data, checked as soon as that has landed, so its latency hides under the
+            # data's).
+            tag_checker = (cta == 0) & (tid < tp)
+            tag_address = token_base + tag_byte_offset(hidden) + rank_stride * Int64(tid)
 
         sum_sq = Float32(0.0)
         collapsed = []  # p values per fragment, for the normalization
         for k in cutlass.range_constexpr(tiling.fragments_per_thread):
             vector, column, valid = fragments[k]
 
-            # ---- spin: wait until every rank's 16 bytes have landed (bitwise sentinel test)
-            slot = token_base + column * BF16_BYTES
-            received = []
-            for r in cutlass.range_constexpr(tp):
-                received.append(ptx.ld_volatile_v4(slot + rank_stride * r, valid))
-            if cutlass.const_expr(k == 0):
-                tag = ptx.ld_volatile_v4(tag_address, tag_checker)
-            for r in cutlass.range_constexpr(tp):
-                w0, w1, w2, w3 = received[r]
-                while ptx.words_hold_sentinel(w0, w1, w2, w3):
-                    ptx.trap_after(deadline)
-                    w0, w1, w2, w3 = ptx.ld_volatile_v4(slot + rank_stride * r, valid)
-                received[r] = (w0, w1, w2, w3)
-            # Re-arm exactly the slots consumed (peers write this generation again 3 calls later).
-            for r in cutlass.range_constexpr(tp):
-                ptx.st_global_v4(slot + rank_stride * r, *([Uint32(SENTINEL_WORD)] * _WORDS), valid)
-            if cutlass.const_expr(k == 0):
-                if cta == 0:
-                    self._check_call_tags(tag, tag_address, tag_checker, deadline, tid, token, generation, state_address)
+            if cutlass.const_expr(self.direct):
+                received = [contributions[k]]
+            else:
+                # ---- spin: wait until every rank's 16 bytes have landed (bitwise sentinel test)
+                slot = token_base + column * BF16_BYTES
+                received = []
+                for r in cutlass.range_constexpr(tp):
+                    received.append(ptx.ld_volatile_v4(slot + rank_stride * r, valid))
+                if cutlass.const_expr(k == 0):
+                    tag = ptx.ld_volatile_v4(tag_address, tag_checker)
+                for r in cutlass.range_constexpr(tp):
+                    w0, w1, w2, w3 = received[r]
+                    while ptx.words_hold_sentinel(w0, w1, w2, w3):
+                        ptx.trap_after(deadline)
+                        w0, w1, w2, w3 = ptx.ld_volatile_v4(slot + rank_stride * r, valid)
+                    received[r] = (w0, w1, w2, w3)
+                # Re-arm exactly the slots consumed (peers write this generation again 3 calls later).
+                for r in cutlass.range_constexpr(tp):
+                    ptx.st_global_v4(slot + rank_stride * r, *([Uint32(SENTINEL_WORD)] * _WORDS), valid)
+                if cutlass.const_expr(k == 0):
+                    if cta == 0:
+                        self._check_call_tags(tag, tag_address, tag_checker, deadline, tid, token, generation, state_address)
 
             # ---- reduce: fp32 sum in rank order from +0.0, one rounding to bf16
             total = [Float32(0.0)] * VECTOR_ELEMS
@@ -293,6 +326,15 @@ class ConsumerKernel:
                     self._mxfp8_block(out, row, vector, column, lane, valid, mx_values, mx_scales)
 
     # ------------------------------------------------------------------------------------------
+
+    def _contribution(self, source, gemm2, weights, routes, gemm2_rows, row, vector, column, valid, state_address):
+        """tp = 1: the rank's contribution to this fragment (contract step 1), as the publish
+        computes it at tp > 1; the thread of the token's first vector counts invalid routes."""
+        element_offset = row * self.spec.hidden_size + column
+        if self.spec.contribution is Contribution.FINALIZE:
+            return finalize_sum(self.spec.hidden_size, self.spec.top_k, source, gemm2, weights, routes, gemm2_rows, row, vector,
+                                element_offset, vector == 0, state_address, valid)
+        return load_x(source, element_offset, valid)
 
     def _load_residual(self, residual, row, column, valid):
         """The hc packed vectors residual[token, s, column .. column + 7], s in order."""

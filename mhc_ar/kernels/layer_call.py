@@ -1,7 +1,8 @@
 """One host function that launches the publish and then the consumer on the same stream.
 
-The kernels are exactly PublishKernel's and ConsumerKernel's (PDL-chained as before); only the
-host side differs: an eager AllReduceMHC call is one TVM-FFI call instead of two, which halves
+The kernels are exactly PublishKernel's and ConsumerKernel's (PDL-chained as before; at tp = 1
+the consumer alone, which reads the contribution itself: ConsumerSpec.direct); only the host
+side differs: an eager AllReduceMHC call is one TVM-FFI call instead of two, which halves
 the per-call launch overhead the host pays at small M. Two forms: PublishThenConsume takes
 addresses (validated in Python), PublishThenConsumeTensors takes the tensors (checked by its
 compiled TVM-FFI signature).
@@ -9,6 +10,7 @@ compiled TVM-FFI signature).
 
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
@@ -63,10 +65,12 @@ class PublishThenConsume:
         stream,
     ):
         peers = (peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7)
-        contribution = (source, gemm2, weights, routes, post)
-        self.publish(*contribution, state, *peers, multicast, rank, num_tokens, rejected, gemm2_rows, stream)
+        contribution = (source, gemm2, weights, routes)
+        if cutlass.const_expr(not self.consumer.direct):
+            self.publish(*contribution, post, state, *peers, multicast, rank, num_tokens, rejected, gemm2_rows, stream)
+        mix = (residual, post, comb, pre, norm_weight)
         outputs = (new_residual, layer_input, mx_values, mx_scales)
-        self.consumer(mailbox, state, residual, post, comb, pre, norm_weight, *outputs, eps, num_tokens, stream)
+        self.consumer(mailbox, state, *contribution, *mix, *outputs, eps, num_tokens, gemm2_rows, stream)
 
 
 class PublishThenConsumeTensors:
@@ -114,12 +118,13 @@ class PublishThenConsumeTensors:
     ):
         num_tokens = Int32(source.shape[0])
         peers = (peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7)
-        contribution = (_address(source), _address(gemm2), _address(weights), _address(routes), _address(post))
+        contribution = (_address(source), _address(gemm2), _address(weights), _address(routes))
         gemm2_rows = Int32(0) if gemm2 is None else Int32(gemm2.shape[0])
-        self.publish(*contribution, state, *peers, multicast, rank, num_tokens, rejected, gemm2_rows, stream)
+        if cutlass.const_expr(not self.consumer.direct):
+            self.publish(*contribution, _address(post), state, *peers, multicast, rank, num_tokens, rejected, gemm2_rows, stream)
         mix = (_address(residual), _address(post), _address(comb), _address(pre), _address(norm_weight))
         outputs = (_address(new_residual), _address(layer_input), Int64(0), Int64(0))
-        self.consumer(mailbox, state, *mix, *outputs, eps, num_tokens, stream)
+        self.consumer(mailbox, state, *contribution, *mix, *outputs, eps, num_tokens, gemm2_rows, stream)
 
 
 def _address(tensor):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass.memory import SmemAllocator
-from cutlass import Float32, Int32, Int64, Uint32
+from cutlass import Int32, Int64, Uint32
 
 from .. import ptx
 from ..config import VECTOR_ELEMS, Contribution, PublishSpec
@@ -20,10 +20,8 @@ from ..protocol import (
     BF16_BYTES,
     CALL_SEQUENCE,
     CONSUME_GENERATION,
-    INVALID_ROUTES,
     MAX_TP,
     PUBLISH_GENERATION,
-    SKIPPED_ROUTE,
     STATE_WORD_BYTES,
     STATE_WORDS,
     TAG_FIELD_BITS,
@@ -35,8 +33,8 @@ from ..protocol import (
     row_elems,
     tag_byte_offset,
 )
+from .contribution import finalize_sum, load_x
 
-_WORDS_PER_VECTOR = 4
 _F32_BYTES = 4
 
 
@@ -147,10 +145,10 @@ class PublishKernel:
         if cutlass.const_expr(self.finalize):
             # The invalid-route count: once per entry, by the token's tag thread (an inactive
             # thread reloads the last vector and counts nothing).
-            data = self._finalize_contribution(source, gemm2, weights, routes, gemm2_rows, token, vector, element_offset,
-                                               tag_thread & active, state_address)
+            data = finalize_sum(hidden, spec.top_k, source, gemm2, weights, routes, gemm2_rows, token, vector, element_offset,
+                                tag_thread & active, state_address)
         else:
-            data = ptx.ld_global_v4(source + element_offset * BF16_BYTES)
+            data = load_x(source, element_offset)
         if tid == 0:
             for w in cutlass.range_constexpr(STATE_WORDS):
                 shared_state[w] = words[w]
@@ -207,34 +205,6 @@ class PublishKernel:
         fixed = int(self.finalize) | (layout << TAG_LAYOUT_SHIFT)
         op_rank_layout = Uint32(fixed) | (Uint32(rank) << TAG_RANK_SHIFT)
         return tuple(ptx.pack_tag_field(Uint32(v)) for v in (sequence, num_tokens, folded, op_rank_layout))
-
-    def _finalize_contribution(self, shared, gemm2, weights, routes, gemm2_rows, token, vector, element_offset, counter_thread,
-                               state_address):
-        """Contract step 1 for finalize: acc = +0; acc = fma(w_k, gemm2[idx_k], acc) over the routes
-        in order, skipping every idx outside 0 .. gemm2_rows-1 (-1 by design; any other is an invalid
-        index, never read, and counted once per entry by the token's `counter_thread`);
-        acc = acc + shared; one rounding to bf16."""
-        spec = self.spec
-        acc = [Float32(0.0)] * VECTOR_ELEMS
-        for k in range(spec.top_k):
-            route_offset = (Int64(token) * spec.top_k + k) * 4
-            row = ptx.ld_global_s32(routes + route_offset)
-            taken = (row >= 0) & (row < gemm2_rows)
-            invalid = ((row < 0) & (row != SKIPPED_ROUTE)) | (row >= gemm2_rows)
-            ptx.red_add_u32(state_address + INVALID_ROUTES * STATE_WORD_BYTES, Uint32(1), counter_thread & invalid)
-            weight = ptx.ld_global_f32(weights + route_offset)
-            row_bytes = (Int64(row) * spec.hidden_size + Int64(vector) * VECTOR_ELEMS) * BF16_BYTES
-            expert = ptx.ld_global_v4(gemm2 + row_bytes, taken)
-            for w in range(_WORDS_PER_VECTOR):
-                low, high = ptx.bf16x2_to_f32x2(expert[w])
-                acc[2 * w] = ptx.fma_rn_if(taken, weight, low, acc[2 * w])
-                acc[2 * w + 1] = ptx.fma_rn_if(taken, weight, high, acc[2 * w + 1])
-        shared_words = ptx.ld_global_v4(shared + element_offset * BF16_BYTES)
-        out = []
-        for w in range(_WORDS_PER_VECTOR):
-            low, high = ptx.bf16x2_to_f32x2(shared_words[w])
-            out.append(ptx.f32x2_to_bf16x2_rn(ptx.add_rn(acc[2 * w], low), ptx.add_rn(acc[2 * w + 1], high)))
-        return out
 
 
 assert MAX_TP == 8, "PublishKernel takes exactly eight peer mailbox addresses"
