@@ -237,20 +237,25 @@ class FusedSide:
 FUSED_BYTES_FORMULA = (
     "per rank: x read M*H*2 + mailbox writes tp*M*H*2 (publish) + mailbox reads tp*M*H*2 + re-arm tp*M*H*2"
     " + residual read M*hc*H*2 + new_residual write M*hc*H*2 + layer_input write M*H*2"
-    " (+ MXFP8 values M*H + scales M*H/32); the mix coefficients, norm weight and tags are left out"
+    " (+ MXFP8 values M*H + scales M*H/32); the mix coefficients, norm weight and tags are left out."
+    " At TP = 1 (one kernel, no mailbox): x read M*H*2 + residual read + new_residual write + layer_input write (+ MXFP8)"
 )
 
 
 def fused_bytes(tp: int, m: int, hidden: int, hc: int, mxfp8: bool) -> int:
     """The fewest bytes one rank's whole fused call must move (FUSED_BYTES_FORMULA): its
-    publish (x in, its vector to every rank's mailbox) and its consumer (consumer_bytes)."""
+    publish (x in, its vector to every rank's mailbox) and its consumer (consumer_bytes); at
+    TP = 1 the consumer alone (it reads x in place: mhc_ar.config.ConsumerSpec.direct)."""
+    if tp == 1:
+        return consumer_bytes(1, m, hidden, hc, mxfp8)
     return m * hidden * 2 + tp * m * hidden * 2 + consumer_bytes(tp, m, hidden, hc, mxfp8)
 
 
 def consumer_bytes(tp: int, m: int, hidden: int, hc: int, mxfp8: bool) -> int:
-    """The fewest bytes one rank's consumer must move: mailbox read + re-arm, residual in and
-    out, layer_input out (+ MXFP8 values and scales)."""
-    moved = 2 * tp * m * hidden * 2 + 2 * m * hc * hidden * 2 + m * hidden * 2
+    """The fewest bytes one rank's consumer must move: mailbox read + re-arm (at TP = 1: x read
+    in place), residual in and out, layer_input out (+ MXFP8 values and scales)."""
+    exchanged = 2 * tp * m * hidden * 2 if tp > 1 else m * hidden * 2
+    moved = exchanged + 2 * m * hc * hidden * 2 + m * hidden * 2
     if mxfp8:
         moved += m * hidden + m * hidden // 32
     return moved

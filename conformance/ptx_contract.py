@@ -419,12 +419,13 @@ def _loads_before_arithmetic(kernel: _Kernel, expected: int) -> PtxCheck:
 
 
 def check_consumer_ptx(ptx: str, variant: Variant, prefetched_loads: int | None = None, *, direct: Contribution | None = None,
-                       top_k: int = 0) -> list[PtxCheck]:
+                       top_k: int = 0, fragments: int = 1, predicated: bool = False) -> list[PtxCheck]:
     """The consumer's checks; `prefetched_loads` (hc x fragments per thread, or 0 where the
     residual is loaded after the spin) adds the check of where the residual loads go. `direct`:
     the consumer of tp = 1 that computes this contribution itself (ConsumerSpec.direct); then
     `prefetched_loads` counts the x and residual loads before the first fma (call), and a
-    finalize is held to the publish's route-bound checks (`top_k` routes)."""
+    finalize is held to the publish's route-bound checks (`top_k` routes per fragment; with a
+    `predicated` tiling its vector loads are guarded too)."""
     kernel = _Kernel(ptx)
     variant = Variant(variant)
     has_norm = variant is not Variant.RESIDUAL_ONLY
@@ -454,7 +455,8 @@ def check_consumer_ptx(ptx: str, variant: Variant, prefetched_loads: int | None 
     if direct is not None:
         checks.append(_dependents_after_wait(kernel))
         if Contribution(direct) is Contribution.FINALIZE:
-            checks += _route_bounds(kernel, top_k)
+            per_vector = 1 + _count_hc(prefetched_loads, fragments) + (1 if has_norm else 0)  # shared_output, residual, weight
+            checks += _route_bounds(kernel, top_k, fragments, per_vector * fragments if predicated else 0)
         elif prefetched_loads is not None:
             checks.append(_loads_before_arithmetic(kernel, prefetched_loads))
     elif prefetched_loads is not None:
@@ -475,6 +477,11 @@ def check_consumer_ptx(ptx: str, variant: Variant, prefetched_loads: int | None 
             _present(kernel, "st.global.b8", "one UE8M0 scale byte per block"),
         ]
     return checks
+
+
+def _count_hc(prefetched_loads: int | None, fragments: int) -> int:
+    """hc, from a direct consumer's `prefetched_loads` ((1 + hc) x fragments)."""
+    return 0 if prefetched_loads is None else prefetched_loads // fragments - 1
 
 
 def check_publish_ptx(ptx: str, contribution: Contribution, multicast: bool, tp: int, top_k: int = 0) -> list[PtxCheck]:
@@ -524,26 +531,29 @@ def check_publish_ptx(ptx: str, contribution: Contribution, multicast: bool, tp:
     return checks
 
 
-def _route_bounds(kernel: _Kernel, top_k: int) -> list[PtxCheck]:
+def _route_bounds(kernel: _Kernel, top_k: int, fragments: int = 1, other_guarded: int = 0) -> list[PtxCheck]:
     """gemm2_permuted is never read outside its rows (mhc_ar.routes): each route's row load is
     predicated, the index is compared with a register (the row count, not a constant), and each
-    route may count itself invalid with one atomic add."""
+    route may count itself invalid with one atomic add. `fragments`: vectors per thread (each
+    sums its own routes); `other_guarded`: the thread's other predicated 16-byte loads (a tp = 1
+    consumer whose tiling predicates its vectors also guards x, residual and weight loads)."""
     loads = kernel.matching(lambda i: i.opcode == "ld.global.v4.b32")
     guarded = [i for i in loads if i.guarded]
+    routes = top_k * fragments
     # The route indices: the unpredicated 32-bit loads (the fingerprint's are predicated).
     indices = {_operands(i)[0] for i in kernel.matching(lambda i: i.opcode == "ld.global.b32" and not i.guarded)}
     upper = kernel.matching(lambda i: i.opcode in ("setp.lt.s32", "setp.ge.s32") and _operands(i)[1] in indices
                             and _operands(i)[2].startswith("%"))
     red = kernel.count("red.relaxed.gpu.global.add.u32")
     return [
-        PtxCheck(f"{top_k} predicated gemm2 row loads", len(guarded) == top_k,
-                 f"{len(guarded)} of {len(loads)} ld.global.v4.b32 guarded, expected one per route (top_k={top_k}): "
-                 "an index outside 0 .. rows-1 reads nothing"),
+        PtxCheck(f"{routes} predicated gemm2 row loads", len(guarded) == routes + other_guarded,
+                 f"{len(guarded)} of {len(loads)} ld.global.v4.b32 guarded, expected one per route (top_k={top_k}) and "
+                 f"vector ({fragments}), plus {other_guarded} predicated vector loads: an index outside 0 .. rows-1 reads nothing"),
         PtxCheck("route index compared with the row count", len(upper) >= top_k,
                  f"{len(upper)} setp.lt/ge.s32 of a loaded route index against a register, expected one per route "
                  "(idx < gemm2_rows)"),
-        PtxCheck(f"{top_k} x red.relaxed.gpu.global.add.u32", red == top_k,
-                 f"found {red}, expected one per route (the invalid-route counter)"),
+        PtxCheck(f"{routes} x red.relaxed.gpu.global.add.u32", red == routes,
+                 f"found {red}, expected one per route and vector (the invalid-route counter)"),
     ]
 
 
@@ -560,7 +570,8 @@ def check_ptx(spec, ptx: str) -> list[PtxCheck]:
     if isinstance(spec, ConsumerSpec):
         fragments = spec.tiling.fragments_per_thread
         if spec.direct:
-            return check_consumer_ptx(ptx, spec.variant, (1 + spec.hc) * fragments, direct=spec.contribution, top_k=spec.top_k)
+            return check_consumer_ptx(ptx, spec.variant, (1 + spec.hc) * fragments, direct=spec.contribution, top_k=spec.top_k,
+                                      fragments=fragments, predicated=spec.tiling.needs_predicate)
         prefetched = spec.hc * fragments if spec.prefetch_residual else 0
         return check_consumer_ptx(ptx, spec.variant, prefetched)
     raise ValueError(f"spec must be a PublishSpec or ConsumerSpec, got {type(spec).__name__}")

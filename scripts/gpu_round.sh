@@ -33,6 +33,9 @@ for step in "${steps[@]}"; do
                    --compare tests/data/rsqrt_delta_h200_independent.i8.zlib ;;
         tests) run tests 540 $PY -m pytest -q -x -p no:cacheprovider -m gpu tests ;;
         tests-all) run tests-all 540 $PY -m pytest -q -p no:cacheprovider -m gpu tests ;;
+        # The GPU tests that run TP = 1 (one kernel: ConsumerSpec.direct) beside other TP sizes.
+        tests-tp1) run tests-tp1 400 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_kernels.py tests/test_gpu_unicast.py \
+                       tests/test_gpu_routes.py tests/test_gpu_aliasing.py tests/test_gpu_capture.py -k "not ipc and not processes" ;;
         # Concurrent virtual ranks: the call tags, the co-residency bound, out-of-step ranks
         # (streams and CUDA IPC processes), one spin timeout per call, a small stress.
         concurrent) run concurrent 540 $PY -m pytest -q -s -p no:cacheprovider -m gpu tests/test_gpu_concurrent.py tests/test_gpu_out_of_step.py ;;
@@ -44,7 +47,7 @@ for step in "${steps[@]}"; do
         # Same-run cost of the protocol change: this tree against the package before it, copied
         # as .before/mhc_ar_before (scripts/protocol_cost.py says how).
         protocol-cost) run protocol-cost 400 env PYTHONPATH=".before:${PYTHONPATH:-}" $PY scripts/protocol_cost.py \
-                           --packages "${COST_PACKAGES:-mhc_ar_before,mhc_ar}" --publish ;;
+                           --packages "${COST_PACKAGES:-mhc_ar_before,mhc_ar}" ${COST_ARGS:---publish} ;;
         # Eager host time of a call against an earlier copy of the package (capture off: its cost).
         eager-overhead) run eager-overhead 200 env PYTHONPATH=".before:${PYTHONPATH:-}" $PY scripts/eager_overhead.py \
                             --packages "${OVERHEAD_PACKAGES:-mhc_ar_precapture,mhc_ar}" ;;

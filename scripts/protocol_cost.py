@@ -10,8 +10,9 @@ process.
 For each TP size (emulated: all publishes, then all consumers, as conformance.bench's TP rows)
 and M: the median per-call time of a CUDA graph of conformance.bench.CALLS_PER_GRAPH calls
 (conformance.bench.graph_time_us), the packages in turn for ROUNDS rounds; printed is the
-median of each package's rounds and its change against the first package. H=5120, hc=4, full
-variant.
+median of each package's rounds and its change against the first package. Full variant, at
+each of --shapes (H x hc, default 5120x4); --mxfp8 adds the MXFP8 variant. At TP = 1 there is
+no publish to time alone (one kernel: mhc_ar.config.ConsumerSpec.direct).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from conformance.bench import FusedSide, _input_sets, graph_time_us  # noqa: E402
 
-HIDDEN, HC = 5120, 4
 ROUNDS = 5
 
 
@@ -37,23 +37,35 @@ def main(argv=None) -> int:
     parser.add_argument("--m", default="1,16,1024")
     parser.add_argument("--tp", default="1,8")
     parser.add_argument("--packages", default="mhc_ar_before,mhc_ar", help="the first is the baseline")
-    parser.add_argument("--publish", action="store_true", help="also time the publishes alone (FusedSide.publish_only)")
+    parser.add_argument("--shapes", default="5120x4", help="H x hc, comma-separated")
+    parser.add_argument("--mxfp8", action="store_true", help="also the MXFP8 variant")
+    parser.add_argument("--publish", action="store_true", help="also time the publishes alone (FusedSide.publish_only; TP > 1)")
     args = parser.parse_args(argv)
     ms = [int(v) for v in args.m.split(",")]
     names = args.packages.split(",")
     packages = {name: importlib.import_module(name) for name in names}
     print(f"device {torch.cuda.get_device_name()}; " + "; ".join(f"{n} = {p.__file__}" for n, p in packages.items()), flush=True)
-    for tp in [int(v) for v in args.tp.split(",")]:
-        ops = {name: p.EmulatedAllReduceMHC(tp_size=tp, hidden_size=HIDDEN, hc_mult=HC, max_num_tokens=max(ms)) for name, p in packages.items()}
-        for m in ms:
-            sets = _input_sets(tp, m, HIDDEN, HC, seed=m)
-            sides = {name: [FusedSide(op, s, mxfp8=False) for s in sets] for name, op in ops.items()}
-            _compare(names, sides, f"tp={tp} H={HIDDEN} hc={HC} M={m}", lambda f: f.call)
-            if args.publish:
-                _compare(names, sides, f"  publish only, tp={tp} M={m}", lambda f: f.publish_only)
-        del ops, sides
-        torch.cuda.empty_cache()
+    for shape in args.shapes.split(","):
+        hidden, hc = (int(v) for v in shape.split("x"))
+        for tp in [int(v) for v in args.tp.split(",")]:
+            for mxfp8 in (False, True) if args.mxfp8 else (False,):
+                _compare_packages(packages, names, tp, hidden, hc, ms, mxfp8, args.publish and tp > 1)
     return 0
+
+
+def _compare_packages(packages, names, tp, hidden, hc, ms, mxfp8, publish):
+    ops = {name: p.EmulatedAllReduceMHC(tp_size=tp, hidden_size=hidden, hc_mult=hc, max_num_tokens=max(ms), quantize_layer_input=mxfp8)
+           for name, p in packages.items()}
+    variant = "mxfp8" if mxfp8 else "full"
+    for m in ms:
+        sets = _input_sets(tp, m, hidden, hc, seed=m)
+        sides = {name: [FusedSide(op, s, mxfp8=mxfp8) for s in sets] for name, op in ops.items()}
+        _compare(names, sides, f"tp={tp} H={hidden} hc={hc} {variant} M={m}", lambda f: f.call)
+        if publish:
+            _compare(names, sides, f"  publish only, tp={tp} M={m}", lambda f: f.publish_only)
+        del sets, sides
+    del ops
+    torch.cuda.empty_cache()
 
 
 def _compare(names, sides, label, launch):

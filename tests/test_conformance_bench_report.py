@@ -260,3 +260,6 @@ def test_fused_bytes_count_every_stream_once():
     # new_residual out 96, layer_input out 48; MXFP8 adds 24 value bytes and 0 whole scale bytes.
     assert fused_bytes(2, 3, 8, 2, False) == 48 + 96 + 96 + 96 + 96 + 96 + 48 == 576
     assert fused_bytes(2, 3, 8, 2, True) == 576 + 24
+    # tp=1 is one kernel reading x in place: x 48, residual in 96, new_residual out 96,
+    # layer_input out 48; no mailbox traffic.
+    assert fused_bytes(1, 3, 8, 2, False) == 48 + 96 + 96 + 48 == 288

@@ -55,6 +55,11 @@ CASES = [
     (2, 4104, 3, 31, True, "full"),  # H not a multiple of 128: predicated tiling
     (5, 128, 8, 256, False, "mxfp8"),  # one CTA, capacity
     (6, 8, 1, 7, False, "full"),  # smallest hidden size
+    # TP = 1: one kernel reading the contribution in place (ConsumerSpec.direct)
+    (1, 4104, 3, 31, True, "full"),  # finalize, predicated tiling
+    (1, 7168, 8, 129, False, "mxfp8"),
+    (1, 5120, 4, 64, True, "mxfp8"),
+    (1, 128, 2, 5, True, "residual_only"),
 ]
 
 
