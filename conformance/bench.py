@@ -219,8 +219,9 @@ class FusedSide:
                 for _ in range(tp)
             ]
         i = inputs
+        self.parts = op.parts
         self.launches = [
-            op._engine.validator.check_call(i.xs[r], (i.residual, i.post, i.comb, i.pre, i.norm_weight), i.eps, None if self.mx is None else self.mx[r], self.out[r])
+            self.parts.validator.check_call(i.xs[r], (i.residual, i.post, i.comb, i.pre, i.norm_weight), i.eps, None if self.mx is None else self.mx[r], self.out[r])
             for r in range(tp)
         ]
         self.tokens = m
@@ -230,8 +231,8 @@ class FusedSide:
         self.op(i.xs, i.residual, i.post, i.comb, i.pre, i.norm_weight, i.eps, out=self.out, mxfp8_out=self.mx)
 
     def publish_only(self):
-        for endpoint, launch in zip(self.op.endpoints, self.launches):
-            self.op._engine.publish(endpoint, launch, self.tokens, finalize=False)
+        for rank, launch in zip(self.parts.ranks, self.launches):
+            self.parts.publish(rank, launch, self.tokens)
 
 
 FUSED_BYTES_FORMULA = (
@@ -331,7 +332,7 @@ def measure_tp1(hidden: int, hc: int, ms, ops, compiled: bool = True, copy_ceili
         row = Row(hidden=hidden, hc=hc, m=m, tp=1, fused_us=graph_time_us([f.call for f in full]))
         row.fused_mxfp8_us = graph_time_us([f.call for f in quant])
         # At TP = 1 the call is one kernel (no publish: mhc_ar.config.ConsumerSpec.direct).
-        row.publish_us = None if ops["full"]._engine.direct else graph_time_us([f.publish_only for f in full])
+        row.publish_us = None if ops["full"].parts.one_kernel else graph_time_us([f.publish_only for f in full])
         row.unfused_us = graph_time_us([unfused_chain(s, mxfp8=False) for s in sets])
         row.unfused_mxfp8_us = graph_time_us([unfused_chain(s, mxfp8=True) for s in sets])
         if compiled:
@@ -377,7 +378,7 @@ def measure_mxfp8_diagnosis(hidden: int, hc: int, ms, capacity: int, full_op) ->
     for name, omit in DIAGNOSIS_BUILDS.items():
         ops[name] = EmulatedAllReduceMHC(tp_size=1, hidden_size=hidden, hc_mult=hc, max_num_tokens=capacity, quantize_layer_input=True)
         if omit:
-            ops[name]._engine.omit_for_diagnosis(omit)
+            ops[name].parts.omit_for_diagnosis(omit)
     rows = []
     for m in ms:
         sets = _input_sets(1, m, hidden, hc, seed=m)
@@ -475,23 +476,24 @@ def eager_breakdown_us(op, inputs: Inputs, *, emulated: bool) -> dict:
     """Host wall time per eager call (host-bound at small M), and its parts, each timed alone:
     the call without outputs given (AllReduceMHC: the tensor launcher, argument checks in C) and
     with out= (CallValidator, then the address launcher); CallValidator with the output
-    allocation; the allocation; each launcher with its arguments prepared (both launch the
-    same two kernels with one host call); the two kernels launched by two host calls."""
+    allocation; the allocation; each launcher with its arguments prepared (each launches all
+    the call's kernels with one host call); the kernels launched by a host call each (at TP = 1
+    the call is one kernel: mhc_ar.config.ConsumerSpec.direct)."""
     i = inputs
     x = i.xs if emulated else i.xs[0]
     mix = (i.residual, i.post, i.comb, i.pre, i.norm_weight)
-    engine = op._engine
-    endpoint = op.endpoints[0] if emulated else op._endpoint
-    validator = engine.validator
+    kernels = op.parts
+    rank = kernels.ranks[0]
+    validator = kernels.validator
     launch = validator.check_call(i.xs[0], mix, i.eps, None, None)
     tokens = i.xs[0].shape[0]
     m, hc, hidden = i.residual.shape
     out = (torch.empty(m, hc, hidden, dtype=torch.bfloat16, device="cuda"), torch.empty(m, hidden, dtype=torch.bfloat16, device="cuda"))
     out_arg = [out] if emulated else out
 
-    def two_launches():
-        engine.publish(endpoint, launch, tokens, finalize=False)
-        engine.consume(endpoint, launch, i.eps, tokens)
+    def kernel_by_kernel():
+        kernels.publish(rank, launch, tokens)
+        kernels.consume(rank, launch, i.eps, tokens)
 
     parts = {
         "call": _per_call_us(lambda: op(x, *mix, i.eps)),
@@ -499,13 +501,12 @@ def eager_breakdown_us(op, inputs: Inputs, *, emulated: bool) -> dict:
         "validation + allocation": _per_call_us(lambda: validator.check_call(i.xs[0], mix, i.eps, None, None)),
         "allocation": _per_call_us(lambda: validator.fresh_outputs(tokens)),
     }
-    if engine.together:  # AllReduceMHC
-        addresses = engine.launcher(endpoint, finalize=False)
-        tensors = engine.tensor_launcher(endpoint, finalize=False)
+    addresses, tensors = kernels.launcher(rank), kernels.tensor_launcher(rank)
+    if addresses is not None:  # AllReduceMHC
         parts["address launcher"] = _per_call_us(lambda: addresses(*launch.contribution, *launch.mix, *launch.outputs, i.eps, tokens, 0, 0))
         parts["tensor launcher"] = _per_call_us(lambda: tensors(i.xs[0], None, None, None, *mix, *out, i.eps, 0))
-    # Same run, for comparison: the kernels launched with two host calls (what one call replaces).
-    parts["two host launch calls"] = _per_call_us(two_launches)
+    # Same run, for comparison: each kernel by its own host call (what one call replaces).
+    parts["one host launch call per kernel"] = _per_call_us(kernel_by_kernel)
     # The host's Python speed varies between machines and runs (the same code measured 22 and
     # 39 us per call): a fixed CPU-only operation to compare runs by.
     parts[HOST_PROBE] = _per_call_us(lambda: torch.empty(0))

@@ -25,7 +25,15 @@ from .config import MXFP8_BLOCK, ConsumerSpec, Contribution, PublishSpec, Varian
 from .kernels.consumer import ConsumerKernel
 from .kernels.layer_call import PublishThenConsume, PublishThenConsumeTensors
 from .kernels.publish import PublishKernel
-from .protocol import STATE_WORDS
+from .protocol import (
+    CONSUMER_ARGUMENTS,
+    FLOAT_ARGUMENTS,
+    INT32_ARGUMENTS,
+    LAYER_CALL_ARGUMENTS,
+    PUBLISH_ARGUMENTS,
+    STATE_WORDS,
+    TENSOR_LAUNCHER_ARGUMENTS,
+)
 from .validation import ALIGNMENT
 
 TARGET_ARCHS = ("sm_90a", "sm_100a", "sm_103a")
@@ -66,32 +74,35 @@ def _fake_state():
     return make_fake_compact_tensor(cutlass.Int32, (STATE_WORDS,), assumed_align=16)
 
 
+def _fake_arguments(names, **given) -> list:
+    """Compile-time stand-ins for a kernel's arguments (mhc_ar.protocol's lists), in order:
+    `given` by name, else the state tensor, 0 for an address or an int, 1e-6 for eps; then the
+    stream (the TVM-FFI environment's)."""
+    def fake(name):
+        if name in given:
+            return given[name]
+        if name == "state":
+            return _fake_state()
+        if name in INT32_ARGUMENTS:
+            return Int32(0)
+        if name in FLOAT_ARGUMENTS:
+            return Float32(1e-6)
+        return Int64(0)
+
+    return [fake(name) for name in names] + [make_fake_stream(use_tvm_ffi_env_stream=True)]
+
+
 @functools.cache
 def compile_publish(spec: PublishSpec, arch: str | None = None, keep_ptx: bool = False) -> CompiledKernel:
-    zero = Int64(0)
-    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    addresses = [zero] * 5 + [_fake_state()] + [zero] * 9  # source..post, state, 8 peers, multicast
-    function = _compile(
-        PublishKernel(spec), *addresses, Int32(0), Int32(1), Int32(0), Int32(0), stream, arch=arch, keep_ptx=keep_ptx
-    )
+    arguments = _fake_arguments(PUBLISH_ARGUMENTS, num_tokens=Int32(1))
+    function = _compile(PublishKernel(spec), *arguments, arch=arch, keep_ptx=keep_ptx)
     return CompiledKernel(publish_name(spec), spec, arch, function)
 
 
 @functools.cache
 def compile_consumer(spec: ConsumerSpec, arch: str | None = None, keep_ptx: bool = False) -> CompiledKernel:
-    zero = Int64(0)
-    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    function = _compile(
-        ConsumerKernel(spec),
-        zero,  # mailbox
-        _fake_state(),
-        *([zero] * 13),  # source .. routes, residual .. mx_scales
-        Float32(1e-6),
-        Int32(1),  # num_tokens
-        Int32(0),  # gemm2_rows
-        stream,
-        arch=arch, keep_ptx=keep_ptx,
-    )
+    arguments = _fake_arguments(CONSUMER_ARGUMENTS, num_tokens=Int32(1))
+    function = _compile(ConsumerKernel(spec), *arguments, arch=arch, keep_ptx=keep_ptx)
     return CompiledKernel(consumer_name(spec), spec, arch, function)
 
 
@@ -100,21 +111,8 @@ def compile_publish_then_consume(
     publish: PublishSpec, consumer: ConsumerSpec, arch: str | None = None, keep_ptx: bool = False
 ) -> CompiledKernel:
     """Both kernels behind one host function (one launch call per eager AllReduceMHC call)."""
-    zero = Int64(0)
-    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    function = _compile(
-        PublishThenConsume(publish, consumer),
-        _fake_state(),
-        *([zero] * 9),  # 8 peers, multicast
-        Int32(0),  # rank
-        *([zero] * 14),  # mailbox, source .. routes, residual .. mx_scales
-        Float32(1e-6),
-        Int32(1),  # num_tokens
-        Int32(0),  # rejected
-        Int32(0),  # gemm2_rows
-        stream,
-        arch=arch, keep_ptx=keep_ptx,
-    )
+    arguments = _fake_arguments(LAYER_CALL_ARGUMENTS, num_tokens=Int32(1))
+    function = _compile(PublishThenConsume(publish, consumer), *arguments, arch=arch, keep_ptx=keep_ptx)
     return CompiledKernel(f"{publish_name(publish)}+{consumer_name(consumer)}", (publish, consumer), arch, function)
 
 
@@ -126,40 +124,26 @@ def compile_tensor_launcher(
     PublishThenConsumeTensors): for calls without caller-given outputs, so not MXFP8."""
     if consumer.variant is Variant.MXFP8:
         raise ValueError("the tensor launcher allocates its outputs: MXFP8 calls take caller-given mxfp8_out")
-    zero = Int64(0)
     m = sym_int32(symbol="M")
     h, hc = publish.hidden_size, consumer.hc
     bf16, f32 = cutlass.BFloat16, cutlass.Float32
     finalize = publish.contribution is Contribution.FINALIZE
     layer_input = consumer.variant is not Variant.RESIDUAL_ONLY
-    contribution = (
-        _row_major(bf16, (m, h)),
-        _row_major(bf16, (sym_int32(symbol="rows"), h)) if finalize else None,
-        _row_major(f32, (m, publish.top_k)) if finalize else None,
-        _row_major(cutlass.Int32, (m, publish.top_k)) if finalize else None,
+    tensors = dict(
+        source=_row_major(bf16, (m, h)),
+        gemm2=_row_major(bf16, (sym_int32(symbol="rows"), h)) if finalize else None,
+        weights=_row_major(f32, (m, publish.top_k)) if finalize else None,
+        routes=_row_major(cutlass.Int32, (m, publish.top_k)) if finalize else None,
+        residual=_row_major(bf16, (m, hc, h)),
+        post=_row_major(f32, (m, hc)),
+        comb=_row_major(f32, (m, hc, hc)),
+        pre=_row_major(f32, (m, hc)) if layer_input else None,
+        norm_weight=_row_major(bf16, (h,)) if layer_input else None,
+        new_residual=_row_major(bf16, (m, hc, h)),
+        layer_input=_row_major(bf16, (m, h)) if layer_input else None,
     )
-    mix = (
-        _row_major(bf16, (m, hc, h)),
-        _row_major(f32, (m, hc)),
-        _row_major(f32, (m, hc, hc)),
-        _row_major(f32, (m, hc)) if layer_input else None,
-        _row_major(bf16, (h,)) if layer_input else None,
-    )
-    outputs = (_row_major(bf16, (m, hc, h)), _row_major(bf16, (m, h)) if layer_input else None)
-    function = _compile(
-        PublishThenConsumeTensors(publish, consumer),
-        _fake_state(),
-        *([zero] * 9),  # 8 peers, multicast
-        Int32(0),  # rank
-        zero,  # mailbox
-        *contribution,
-        *mix,
-        *outputs,
-        Float32(1e-6),
-        Int32(0),  # rejected
-        make_fake_stream(use_tvm_ffi_env_stream=True),
-        arch=arch, keep_ptx=keep_ptx,
-    )
+    arguments = _fake_arguments(TENSOR_LAUNCHER_ARGUMENTS, **tensors)
+    function = _compile(PublishThenConsumeTensors(publish, consumer), *arguments, arch=arch, keep_ptx=keep_ptx)
     name = f"{publish_name(publish)}+{consumer_name(consumer)}-from-tensors"
     return CompiledKernel(name, (publish, consumer), arch, function)
 

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from .allreduce_mhc import AllReduceMHC, _device, _Engine, _variant
+from .allreduce_mhc import AllReduceMHC
+from .engine import Engine, Launches, cuda_device, variant_of
 from .compile import compile_consumer, compile_publish
 from .config import DEFAULT_SPIN_TIMEOUT_NS, VECTOR_ELEMS, Variant
 from .residency import CoResidency, InstanceGrid, measure_footprint
@@ -44,7 +45,7 @@ class ConcurrentRanks:
     def __init__(self, *, tp_size: int, device=None):
         if isinstance(tp_size, bool) or not isinstance(tp_size, int):
             raise ValueError(f"tp_size must be an int, got {type(tp_size).__name__}")
-        self.device = _device(device)
+        self.device = cuda_device(device)
         self.tp_size = tp_size
         self.streams = [torch.cuda.Stream(self.device) for _ in range(tp_size)]
         # The sleep kernel of `delay`, loaded now: CUDA loads kernels lazily, and a first load
@@ -79,7 +80,7 @@ class ConcurrentRanks:
     def max_tokens(self, *, hidden_size: int, hc_mult: int, top_k: int = 0, quantize_layer_input: bool = False,
                    residual_only: bool = False) -> int:
         """The largest max_num_tokens `add` accepts for this instance beside the ones already added."""
-        engine = self._engine(hidden_size, hc_mult, 1, top_k, quantize_layer_input, residual_only, DEFAULT_SPIN_TIMEOUT_NS / 1e9, together=False)
+        engine = self._engine(hidden_size, hc_mult, 1, top_k, quantize_layer_input, residual_only, DEFAULT_SPIN_TIMEOUT_NS / 1e9, Launches.PER_KERNEL)
         grid, footprints = self._measure(engine)
         return self.co_residency(footprints).max_tokens(grid, self._instances)
 
@@ -99,7 +100,7 @@ class ConcurrentRanks:
         Raises ValueError if its max_num_tokens breaks the co-residency bound.
         `diagnostic_omit` (diagnosis only: outputs or checks then break the contract) builds the
         consumer with stages of mhc_ar.config.DIAGNOSTIC_STAGES left out."""
-        engine = self._engine(hidden_size, hc_mult, max_num_tokens, top_k, quantize_layer_input, residual_only, spin_timeout_s, together=True)
+        engine = self._engine(hidden_size, hc_mult, max_num_tokens, top_k, quantize_layer_input, residual_only, spin_timeout_s, Launches.ONE_CALL)
         grid, footprints = self._measure(engine)
         bound = self.co_residency(footprints)
         grids = [*self._instances, (grid, max_num_tokens)]
@@ -135,21 +136,21 @@ class ConcurrentRanks:
 
     # ---- helpers ----------------------------------------------------------------------------
 
-    def _engine(self, hidden_size, hc_mult, max_num_tokens, top_k, quantize_layer_input, residual_only, spin_timeout_s, together):
-        return _Engine(
+    def _engine(self, hidden_size, hc_mult, max_num_tokens, top_k, quantize_layer_input, residual_only, spin_timeout_s, launches):
+        return Engine(
             hidden_size=hidden_size,
             hc_mult=hc_mult,
             max_num_tokens=max_num_tokens,
             top_k=top_k,
             tp=self.tp_size,
             device=self.device,
-            variant=_variant(quantize_layer_input, residual_only),
+            variant=variant_of(quantize_layer_input, residual_only),
             multicast=False,
             spin_timeout_s=spin_timeout_s,
-            together=together,
+            launches=launches,
         )
 
-    def _measure(self, engine: _Engine):
+    def _measure(self, engine: Engine):
         """The instance's grids and its kernels' footprints (the driver's occupancy)."""
         spec = engine.consumer_spec
         tiling = spec.tiling

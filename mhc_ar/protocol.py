@@ -62,7 +62,7 @@ CONSUME_GENERATION = 1
 CALL_SEQUENCE = 2
 INVALID_ROUTES = 3
 STATE_WORDS = 4  # 16 bytes, one vector load
-STATE_WORD_BYTES = 4
+STATE_WORD_BYTES = 4  # int32 words
 
 MAX_TP = 8
 
@@ -71,6 +71,8 @@ MAX_TP = 8
 SKIPPED_ROUTE = -1
 
 BF16_BYTES = 2
+F32_BYTES = 4  # post, comb, pre, expert_weights
+INT32_BYTES = 4  # expanded_idx_to_permuted_idx, the state words
 # Per token row: after its H values, one 128-byte line whose first 16 bytes are the call tag.
 ROW_PAD_ELEMS = 64
 TAG_WORDS = 4  # one 16-byte vector
@@ -97,9 +99,19 @@ def mailbox_shape(tp: int, capacity: int, hidden_size: int) -> tuple[int, int, i
     return (GENERATIONS, tp, capacity, row_elems(hidden_size))
 
 
+def row_bytes(hidden_size: int) -> int:
+    """Bytes from mailbox[g, r, m] to mailbox[g, r, m + 1]."""
+    return row_elems(hidden_size) * BF16_BYTES
+
+
+def rank_stride_bytes(hidden_size: int, capacity: int) -> int:
+    """Bytes from mailbox[g, r] to mailbox[g, r + 1] (and, times tp, from generation g to g + 1)."""
+    return capacity * row_bytes(hidden_size)
+
+
 def slot_byte_offset(generation, rank, token, hidden_size: int, tp: int, capacity: int):
     """Byte offset of mailbox[generation, rank, token, 0] (works on ints and DSL integers)."""
-    return ((generation * tp + rank) * capacity + token) * (row_elems(hidden_size) * BF16_BYTES)
+    return ((generation * tp + rank) * capacity + token) * row_elems(hidden_size) * BF16_BYTES
 
 
 def tag_byte_offset(hidden_size: int) -> int:
@@ -148,3 +160,27 @@ def call_tag(sequence: int, tokens: int, fingerprint_value: int, finalize: bool,
 
 # max_num_tokens must fit a tag field.
 MAX_CAPACITY = TAG_FIELD_MASK
+
+
+# ---- Kernel argument lists, named once -----------------------------------------------------
+# The kernels' signatures (mhc_ar.kernels) follow these names in this order (checked by
+# tests/test_mhc_compile.py); mhc_ar.compile builds its fake compile arguments from them, and a
+# RankEndpoint binds RANK_ARGUMENTS once. Pointers are raw device addresses (0 where unused).
+PEER_ARGUMENTS = tuple(f"peer{r}" for r in range(MAX_TP))  # every rank's mailbox base, 0 past tp
+# What is fixed per rank (bound once by the host): the state, where the peers' mailboxes are,
+# the multicast mailbox, the rank.
+RANK_ARGUMENTS = ("state", *PEER_ARGUMENTS, "multicast", "rank")
+CONTRIBUTION_ARGUMENTS = ("source", "gemm2", "weights", "routes")  # x, or shared_output and the expert tensors
+MIX_ARGUMENTS = ("residual", "post", "comb", "pre", "norm_weight")
+OUTPUT_ARGUMENTS = ("new_residual", "layer_input", "mx_values", "mx_scales")
+PUBLISH_ARGUMENTS = (*CONTRIBUTION_ARGUMENTS, "post", *RANK_ARGUMENTS, "num_tokens", "rejected", "gemm2_rows")
+CONSUMER_ARGUMENTS = ("mailbox", "state", *CONTRIBUTION_ARGUMENTS, *MIX_ARGUMENTS, *OUTPUT_ARGUMENTS, "eps", "num_tokens",
+                      "gemm2_rows")
+# One host function launching both (mhc_ar.kernels.layer_call): the per-rank part first.
+LAYER_CALL_ARGUMENTS = (*RANK_ARGUMENTS, "mailbox", *CONTRIBUTION_ARGUMENTS, *MIX_ARGUMENTS, *OUTPUT_ARGUMENTS, "eps",
+                        "num_tokens", "rejected", "gemm2_rows")
+TENSOR_LAUNCHER_ARGUMENTS = (*RANK_ARGUMENTS, "mailbox", *CONTRIBUTION_ARGUMENTS, *MIX_ARGUMENTS, "new_residual",
+                             "layer_input", "eps", "rejected")
+# The 32-bit integer and float arguments; every other is an address (or a tensor).
+INT32_ARGUMENTS = frozenset({"rank", "num_tokens", "rejected", "gemm2_rows"})
+FLOAT_ARGUMENTS = frozenset({"eps"})

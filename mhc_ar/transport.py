@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import Transport
-from .protocol import MAX_TP, SENTINEL_BF16, STATE_WORDS, mailbox_shape
+from .protocol import MAX_TP, PEER_ARGUMENTS, RANK_ARGUMENTS, SENTINEL_BF16, STATE_WORDS, mailbox_shape
 
 # NVLink multicast on shared H100/H200 hosts can take GPUs out of service: keep it off in every
 # environment this package starts (set before torch.distributed creates communicators).
@@ -50,8 +50,9 @@ class RankEndpoint:
 
     def __post_init__(self):
         self.mailbox_address = self.mailbox.data_ptr()
-        # The publish kernel's per-rank arguments after the contribution, in its order.
-        self.publish_arguments = (self.state, *self.peer_addresses, self.multicast_address, self.rank)
+        # What the kernels take per rank (mhc_ar.protocol.RANK_ARGUMENTS), bound once.
+        values = dict(zip(PEER_ARGUMENTS, self.peer_addresses), state=self.state, multicast=self.multicast_address, rank=self.rank)
+        self.rank_arguments = tuple(values[name] for name in RANK_ARGUMENTS)
 
     def reset(self) -> None:
         """Re-arm every mailbox slot and restart the generation count (tests; not collective)."""

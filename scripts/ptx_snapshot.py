@@ -1,4 +1,5 @@
-"""The PTX of every kernel the contract compiles, for every target arch, to compare two trees.
+"""The PTX of every kernel the contract compiles (reference shape, TP 8 and TP 1) and of the
+one-call launchers, for every target arch, to compare two trees.
 
     python scripts/ptx_snapshot.py --out DIR                  # write DIR/<arch>/<kernel>.ptx
     python scripts/ptx_snapshot.py --out DIR2 --compare DIR   # and compare with an earlier snapshot
@@ -20,8 +21,16 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mhc_ar.compile import TARGET_ARCHS, compile_spec, consumer_name, kernel_variants, publish_name  # noqa: E402
-from mhc_ar.config import PublishSpec  # noqa: E402
+from mhc_ar.compile import (  # noqa: E402
+    TARGET_ARCHS,
+    compile_publish_then_consume,
+    compile_spec,
+    compile_tensor_launcher,
+    consumer_name,
+    kernel_variants,
+    publish_name,
+)
+from mhc_ar.config import ConsumerSpec, Contribution, PublishSpec, Variant  # noqa: E402
 
 # Entry names and their parameters (kernel_cutlass_kernel_<module path>_..._param_N): they carry
 # the Python module and class path, so a rename changes them; they are numbered, not compared.
@@ -39,14 +48,40 @@ def normalized(ptx: str) -> list[str]:
     return lines
 
 
+def _kernels(arch: str):
+    """(name, compile) of every kernel the contract compiles for the reference shape, at TP 8
+    and TP 1 (one kernel: ConsumerSpec.direct), and of the one-call launchers AllReduceMHC uses
+    (addresses and tensors) for each contribution and variant."""
+    for tp in (8, 1):
+        specs = kernel_variants(tp=tp)
+        for spec in specs:
+            name = publish_name(spec) if isinstance(spec, PublishSpec) else consumer_name(spec)
+            yield name, lambda spec=spec: compile_spec(spec, arch, keep_ptx=True)
+        publishes = {p.contribution: p for p in specs if isinstance(p, PublishSpec) and not p.multicast}
+        for consumer in (s for s in specs if isinstance(s, ConsumerSpec)):
+            for contribution in Contribution:
+                if consumer.direct and consumer.contribution is not contribution:
+                    continue
+                publish = publishes.get(contribution) or _publish_like(consumer, contribution)
+                name = f"launch-{contribution.value}+{consumer_name(consumer)}"
+                yield name, lambda p=publish, c=consumer: compile_publish_then_consume(p, c, arch, keep_ptx=True)
+                if consumer.variant is not Variant.MXFP8:
+                    yield f"{name}-from-tensors", lambda p=publish, c=consumer: compile_tensor_launcher(p, c, arch, keep_ptx=True)
+
+
+def _publish_like(consumer: ConsumerSpec, contribution: Contribution) -> PublishSpec:
+    """The publish spec an engine pairs with a tp = 1 consumer (never launched there)."""
+    return PublishSpec(hidden_size=consumer.hidden_size, tp=consumer.tp, capacity=consumer.capacity, contribution=contribution,
+                       top_k=consumer.top_k, multicast=False, hc=consumer.hc)
+
+
 def snapshot(out: Path) -> list[Path]:
     written = []
     for arch in TARGET_ARCHS:
-        for spec in kernel_variants():
-            name = publish_name(spec) if isinstance(spec, PublishSpec) else consumer_name(spec)
+        for name, build in _kernels(arch):
             path = out / arch / f"{name}.ptx"
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(compile_spec(spec, arch, keep_ptx=True).ptx)
+            path.write_text(build().ptx)
             written.append(path)
     return written
 

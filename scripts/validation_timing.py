@@ -21,7 +21,8 @@ import time
 import torch
 import tvm_ffi
 
-from mhc_ar.allreduce_mhc import AllReduceMHC, CallValidator
+from mhc_ar.allreduce_mhc import AllReduceMHC
+from mhc_ar.call_check import CallValidator
 from mhc_ar.config import Variant
 
 

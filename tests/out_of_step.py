@@ -236,14 +236,15 @@ def _ipc_rank(rank: int, scenario: str, mode: str, mailboxes, barrier) -> None:
     import contextlib
 
     os.environ.update(MULTICAST_OFF_ENV)
-    from mhc_ar.allreduce_mhc import AllReduceMHC, _Engine
+    from mhc_ar.allreduce_mhc import AllReduceMHC
+    from mhc_ar.engine import Engine, Launches
     from mhc_ar.protocol import STATE_WORDS
     from mhc_ar.transport import RankEndpoint, _pad
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    engine = _Engine(hidden_size=HIDDEN, hc_mult=HC, max_num_tokens=CAPACITY, top_k=TOP_K, tp=TP, device=device,
-                     variant=Variant.FULL, multicast=False, spin_timeout_s=SPIN_TIMEOUT_S, together=True)
+    engine = Engine(hidden_size=HIDDEN, hc_mult=HC, max_num_tokens=CAPACITY, top_k=TOP_K, tp=TP, device=device,
+                     variant=Variant.FULL, multicast=False, spin_timeout_s=SPIN_TIMEOUT_S, launches=Launches.ONE_CALL)
     if mode == "nocheck":
         engine.omit_for_diagnosis({"step_check"})
     endpoint = RankEndpoint(rank, TP, mailboxes[rank], torch.zeros(STATE_WORDS, dtype=torch.int32, device=device),

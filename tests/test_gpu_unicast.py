@@ -91,7 +91,7 @@ def _ipc_worker(rank: int, world: int, mailboxes, results) -> None:
         os.environ.update(MULTICAST_OFF_ENV)
         sys.path.insert(0, os.path.dirname(__file__))
         from gpu_cases import random_inputs as inputs_for
-        from mhc_ar.allreduce_mhc import _Engine
+        from mhc_ar.engine import Engine
         from mhc_ar.config import Variant
         from mhc_ar.protocol import STATE_WORDS
         from mhc_ar.transport import RankEndpoint, _pad
@@ -99,7 +99,7 @@ def _ipc_worker(rank: int, world: int, mailboxes, results) -> None:
 
         torch.cuda.set_device(0)
         device = torch.device("cuda", 0)
-        engine = _Engine(hidden_size=HIDDEN, hc_mult=HC, max_num_tokens=CAPACITY, top_k=TOP_K, tp=world, device=device,
+        engine = Engine(hidden_size=HIDDEN, hc_mult=HC, max_num_tokens=CAPACITY, top_k=TOP_K, tp=world, device=device,
                          variant=Variant.FULL, multicast=False, spin_timeout_s=60.0)
         endpoint = RankEndpoint(rank, world, mailboxes[rank], torch.zeros(STATE_WORDS, dtype=torch.int32, device=device),
                                 _pad([mailbox.data_ptr() for mailbox in mailboxes]))
@@ -247,7 +247,7 @@ def test_tensor_launcher_rejects_what_validation_rejects_and_launches_nothing(on
     raises CallValidator's ValueError, and no kernel ran (state and mailbox unchanged)."""
     from dataclasses import replace
 
-    from mhc_ar.allreduce_mhc import _REJECTED_BEFORE_LAUNCH
+    from mhc_ar.engine import REJECTED_BEFORE_LAUNCH
     from mhc_ar.protocol import SENTINEL_BF16
 
     op = _one_rank_op(one_rank_group)
@@ -267,7 +267,7 @@ def test_tensor_launcher_rejects_what_validation_rejects_and_launches_nothing(on
         contribution = (source, rank.gemm2_permuted, rank.expert_weights, rank.expanded_idx_to_permuted_idx) if finalize else (source, None, None, None)
         launch = op._finalize_tensors if finalize else op._call_tensors
         outputs = op._fresh_outputs(m)
-        with pytest.raises(_REJECTED_BEFORE_LAUNCH):
+        with pytest.raises(REJECTED_BEFORE_LAUNCH):
             launch(*contribution, mix.residual, mix.post, mix.comb, mix.pre, mix.norm_weight, *outputs, mix.eps, 0)
         with pytest.raises(ValueError):
             _call(op, rank, mix)

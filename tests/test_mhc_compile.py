@@ -225,3 +225,41 @@ def test_direct_finalize_consumer_holds_the_route_bounds():
     checks = {c.name: c for c in check_ptx(consumer, compile_consumer(consumer, "sm_90a", keep_ptx=True).ptx)}
     assert checks[f"{TOP_K} predicated gemm2 row loads"].passed and checks[f"{TOP_K} x red.relaxed.gpu.global.add.u32"].passed
     assert all(c.passed for c in checks.values()), [c for c in checks.values() if not c.passed]
+
+
+def test_kernel_signatures_follow_the_declared_argument_lists():
+    """Each kernel's arguments are named once (mhc_ar.protocol); the signatures the DSL compiles
+    must list exactly those names in that order (the fake compile arguments and each rank's
+    bound prefix are built from the lists)."""
+    import inspect
+
+    from mhc_ar import protocol
+    from mhc_ar.kernels.consumer import ConsumerKernel
+    from mhc_ar.kernels.layer_call import PublishThenConsume, PublishThenConsumeTensors
+    from mhc_ar.kernels.publish import PublishKernel
+
+    cases = [
+        (PublishKernel.__call__, protocol.PUBLISH_ARGUMENTS, True),
+        (PublishKernel.kernel, protocol.PUBLISH_ARGUMENTS, False),
+        (ConsumerKernel.__call__, protocol.CONSUMER_ARGUMENTS, True),
+        (ConsumerKernel.kernel, protocol.CONSUMER_ARGUMENTS, False),
+        (PublishThenConsume.__call__, protocol.LAYER_CALL_ARGUMENTS, True),
+        (PublishThenConsumeTensors.__call__, protocol.TENSOR_LAUNCHER_ARGUMENTS, True),
+    ]
+    for function, names, launches in cases:
+        parameters = list(inspect.signature(inspect.unwrap(function)).parameters)
+        assert parameters == ["self", *names, *(["stream"] if launches else [])], function.__qualname__
+    assert protocol.RANK_ARGUMENTS == protocol.LAYER_CALL_ARGUMENTS[: len(protocol.RANK_ARGUMENTS)]
+
+
+def test_a_rank_binds_its_arguments_in_the_declared_order():
+    import torch
+
+    from mhc_ar.protocol import RANK_ARGUMENTS
+    from mhc_ar.transport import RankEndpoint
+
+    state = torch.zeros(4, dtype=torch.int32)
+    endpoint = RankEndpoint(3, 4, torch.empty(0, dtype=torch.bfloat16), state, (11, 12, 13, 14, 0, 0, 0, 0), multicast_address=99)
+    bound = dict(zip(RANK_ARGUMENTS, endpoint.rank_arguments))
+    assert bound["state"] is state and bound["rank"] == 3 and bound["multicast"] == 99
+    assert [bound[f"peer{r}"] for r in range(8)] == [11, 12, 13, 14, 0, 0, 0, 0]

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mhc_ar.allreduce_mhc import AllReduceMHC, CallValidator
+from mhc_ar.allreduce_mhc import AllReduceMHC
+from mhc_ar.call_check import CallValidator
 from mhc_ar.config import Variant, mxfp8_scale_bytes
 
 M, H, HC, K, CAPACITY = 4, 256, 2, 3, 8
@@ -190,9 +191,9 @@ def test_the_dsl_cuda_error_is_not_taken_for_a_rejected_argument():
     the fallback's catch, or a failed consumer launch would publish a second time."""
     from cutlass.cutlass_dsl.tvm_ffi_provider import CUDADialectError
 
-    from mhc_ar.allreduce_mhc import _REJECTED_BEFORE_LAUNCH
+    from mhc_ar.engine import REJECTED_BEFORE_LAUNCH
 
-    assert not issubclass(CUDADialectError, _REJECTED_BEFORE_LAUNCH)
+    assert not issubclass(CUDADialectError, REJECTED_BEFORE_LAUNCH)
 
 
 def test_rejected_calls_count_in_the_next_launch_sequence():

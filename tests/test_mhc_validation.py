@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mhc_ar.allreduce_mhc import CallValidator, _per_rank, _variant
+from mhc_ar.allreduce_mhc import _per_rank
+from mhc_ar.call_check import CallValidator
+from mhc_ar.engine import variant_of
 from mhc_ar.config import Variant, mxfp8_scale_bytes
 from mhc_ar.transport import make_transport
 from mhc_ar.validation import check_eps
@@ -282,7 +284,7 @@ def test_construction_arguments():
     with pytest.raises(ValueError, match="top_k"):
         CallValidator(hidden_size=4096, hc_mult=4, max_num_tokens=8, top_k=-1, variant=Variant.FULL, device=CPU)
     with pytest.raises(ValueError, match="exclude each other"):
-        _variant(True, True)
+        variant_of(True, True)
     with pytest.raises(ValueError, match="transport must be one of"):
         make_transport("nvlink")
     with pytest.raises(ValueError, match="one entry per rank"):

@@ -48,6 +48,7 @@ from ..protocol import (
     BF16_BYTES,
     CALL_SEQUENCE,
     CONSUME_GENERATION,
+    F32_BYTES,
     GENERATIONS,
     PUBLISH_GENERATION,
     SENTINEL_WORD,
@@ -55,12 +56,12 @@ from ..protocol import (
     TAG_FIELD_MASK,
     TAG_RANK_MASK,
     TAG_RANK_SHIFT,
-    row_elems,
+    rank_stride_bytes,
+    row_bytes,
     tag_byte_offset,
 )
 from .contribution import finalize_sum, load_x
 
-_F32_BYTES = 4
 _WORDS = 4  # 32-bit words per 16-byte vector
 _SCALE_ROW_TILE = 128  # the 128x4 scale layout pads rows to a multiple of 128
 _CHUNKS_PER_GROUP = 32  # 16-byte chunks per 512-byte group of the 128x4 layout
@@ -80,6 +81,30 @@ def _widen(words):
 def _narrow(values):
     """Eight fp32 values -> four packed bf16x2 words (round to nearest even)."""
     return [ptx.f32x2_to_bf16x2_rn(values[2 * w], values[2 * w + 1]) for w in range(_WORDS)]
+
+
+class _Coefficients:
+    """The token's mix coefficients, held in registers: post [hc], comb [hc][hc] (source,
+    target), pre [hc] (empty without a norm)."""
+
+    def __init__(self, post, comb, pre):
+        self.post, self.comb, self.pre = post, comb, pre
+
+
+class _TokenMailbox:
+    """Where this thread's token lives in the mailbox of the generation being consumed
+    (mhc_ar.protocol), the spin's deadline, and the call tags: lane r of CTA 0's first warp
+    holds rank r's (loaded with the first fragment's data, checked as soon as that has landed,
+    so its latency hides under the data's)."""
+
+    def __init__(self, spec: ConsumerSpec, mailbox, generation, row, cta, tid, token, state_address):
+        self.deadline = ptx.deadline_after(spec.spin_timeout_ns)
+        hidden = spec.hidden_size
+        self.rank_stride = Int64(rank_stride_bytes(hidden, spec.capacity))
+        self.token_base = mailbox + generation * (spec.tp * self.rank_stride) + row * row_bytes(hidden)
+        self.tag_checker = (cta == 0) & (tid < spec.tp)
+        self.tag_address = self.token_base + tag_byte_offset(hidden) + self.rank_stride * Int64(tid)
+        self.cta, self.tid, self.token, self.generation, self.state_address = cta, tid, token, generation, state_address
 
 
 class ConsumerKernel:
@@ -213,13 +238,7 @@ class ConsumerKernel:
         # loaded now too, so its latency hides under the generation's and the mailbox's instead
         # of following the spin.
         row = Int64(token)
-        post_t = [ptx.ld_global_f32(post + (row * hc + t) * _F32_BYTES) for t in range(hc)]
-        comb_st = [
-            [ptx.ld_global_f32(comb + ((row * hc + s) * hc + t) * _F32_BYTES) for t in range(hc)] for s in range(hc)
-        ]
-        pre_t = []
-        if cutlass.const_expr(self.has_norm):
-            pre_t = [ptx.ld_global_f32(pre + (row * hc + t) * _F32_BYTES) for t in range(hc)]
+        mix = self._load_coefficients(post, comb, pre, row)
         fragments = []  # (vector, column, valid) of each fragment this thread owns
         residual_words = []  # per fragment: hc packed vectors, residual[token, s, column]
         contributions = []  # per fragment, at tp = 1: the contribution's packed vector
@@ -239,76 +258,25 @@ class ConsumerKernel:
         if cutlass.const_expr(zero_padding and self.direct):
             self._zero_padding_scales(bid, tid, num_tokens, mx_scales)
         cute.arch.griddepcontrol_launch_dependents()
+        box = None
         if cutlass.const_expr(not self.direct):
-            deadline = ptx.deadline_after(spec.spin_timeout_ns)
-            row_bytes = row_elems(hidden) * BF16_BYTES  # mailbox[g, r, m] -> mailbox[g, r, m+1]
-            rank_stride = Int64(spec.capacity * row_bytes)  # mailbox[g, r] -> mailbox[g, r+1]
-            generation_base = mailbox + generation * (tp * rank_stride)
-            token_base = generation_base + row * row_bytes
-            # Call tags: lane r of CTA 0's first warp holds rank r's (loaded with the first
-            # fragment's data, checked as soon as that has landed, so its latency hides under the
-            # data's).
-            tag_checker = (cta == 0) & (tid < tp)
-            tag_address = token_base + tag_byte_offset(hidden) + rank_stride * Int64(tid)
+            box = _TokenMailbox(self.spec, mailbox, generation, row, cta, tid, token, state_address)
 
         sum_sq = Float32(0.0)
         collapsed = []  # p values per fragment, for the normalization
         for k in cutlass.range_constexpr(tiling.fragments_per_thread):
             vector, column, valid = fragments[k]
-
             if cutlass.const_expr(self.direct):
                 received = [contributions[k]]
             else:
-                # ---- spin: wait until every rank's 16 bytes have landed (bitwise sentinel test)
-                slot = token_base + column * BF16_BYTES
-                received = []
-                for r in cutlass.range_constexpr(tp):
-                    received.append(ptx.ld_volatile_v4(slot + rank_stride * r, valid))
-                if cutlass.const_expr(k == 0):
-                    tag = ptx.ld_volatile_v4(tag_address, tag_checker)
-                for r in cutlass.range_constexpr(tp):
-                    w0, w1, w2, w3 = received[r]
-                    while ptx.words_hold_sentinel(w0, w1, w2, w3):
-                        ptx.trap_after(deadline)
-                        w0, w1, w2, w3 = ptx.ld_volatile_v4(slot + rank_stride * r, valid)
-                    received[r] = (w0, w1, w2, w3)
-                # Re-arm exactly the slots consumed (peers write this generation again 3 calls later).
-                for r in cutlass.range_constexpr(tp):
-                    ptx.st_global_v4(slot + rank_stride * r, *([Uint32(SENTINEL_WORD)] * _WORDS), valid)
-                if cutlass.const_expr(k == 0):
-                    if cta == 0:
-                        self._check_call_tags(tag, tag_address, tag_checker, deadline, tid, token, generation, state_address)
-
-            # ---- reduce: fp32 sum in rank order from +0.0, one rounding to bf16
-            total = [Float32(0.0)] * VECTOR_ELEMS
-            for r in cutlass.range_constexpr(tp):
-                lanes = _widen(received[r])
-                total = [ptx.add_rn(total[j], lanes[j]) for j in range(VECTOR_ELEMS)]
-            y = _widen(_narrow(total))
-
-            # ---- post_mix: a = y * post[t]; a = fma(residual[s], comb[s, t], a) over s in order
+                received = self._receive(box, column, valid, k == 0)
+            y = self._reduce(received)
             if cutlass.const_expr(not spec.prefetch_residual):
                 residual_words.append(self._load_residual(residual, row, column, valid))
-            streams = [_widen(words) for words in residual_words[k]]
-            mixed = []
-            for t in cutlass.range_constexpr(hc):
-                a = [ptx.mul_rn(y[j], post_t[t]) for j in range(VECTOR_ELEMS)]
-                for s in cutlass.range_constexpr(hc):
-                    a = [ptx.fma_rn(streams[s][j], comb_st[s][t], a[j]) for j in range(VECTOR_ELEMS)]
-                words = _narrow(a)
-                address = new_residual + ((row * hc + t) * hidden + column) * BF16_BYTES
-                ptx.st_global_v4(address, *words, valid)
-                mixed.append(_widen(words))
-
+            mixed = self._post_mix(y, residual_words[k], mix, new_residual, row, column, valid)
             if cutlass.const_expr(self.has_norm):
-                # ---- collapse: c = +0; c = fma(new_residual[t], pre[t], c) over t in order
-                c = [Float32(0.0)] * VECTOR_ELEMS
-                for t in cutlass.range_constexpr(hc):
-                    c = [ptx.fma_rn(mixed[t][j], pre_t[t], c[j]) for j in range(VECTOR_ELEMS)]
-                p = _widen(_narrow(c))
-                # ---- rms_norm, thread partial: fragments in order, elements in order
-                for j in cutlass.range_constexpr(VECTOR_ELEMS):
-                    sum_sq = ptx.fma_rn(p[j], p[j], sum_sq)
+                p = self._collapse(mixed, mix)
+                sum_sq = self._sum_of_squares(p, sum_sq)
                 collapsed.append(p)
 
         if cutlass.const_expr(self.has_norm):
@@ -319,11 +287,91 @@ class ConsumerKernel:
             inv = self._inverse_rms(sum_sq, eps, lane, warp, cta, warp_sums, cluster_sums)
             for f in cutlass.range_constexpr(len(fragments)):
                 vector, column, valid = fragments[f]
-                p, w = collapsed[f], _widen(weight_words[f])
-                out = _narrow([ptx.mul_rn(ptx.mul_rn(p[j], inv), w[j]) for j in range(VECTOR_ELEMS)])
-                ptx.st_global_v4(layer_input + (row * hidden + column) * BF16_BYTES, *out, valid)
+                out = self._rms_norm(collapsed[f], inv, weight_words[f], layer_input, row, column, valid)
                 if cutlass.const_expr(self.has_mxfp8 and "mxfp8_block" not in spec.omit):
                     self._mxfp8_block(out, row, vector, column, lane, valid, mx_values, mx_scales)
+
+    # ---- the stages, in contract order (reference/compose.py) -----------------------------------
+
+    def _load_coefficients(self, post, comb, pre, row):
+        """The token's post [hc], comb [hc][hc] and (with a norm) pre [hc], fp32."""
+        hc = self.spec.hc
+        post_t = [ptx.ld_global_f32(post + (row * hc + t) * F32_BYTES) for t in range(hc)]
+        comb_st = [[ptx.ld_global_f32(comb + ((row * hc + s) * hc + t) * F32_BYTES) for t in range(hc)] for s in range(hc)]
+        pre_t = []
+        if self.has_norm:
+            pre_t = [ptx.ld_global_f32(pre + (row * hc + t) * F32_BYTES) for t in range(hc)]
+        return _Coefficients(post_t, comb_st, pre_t)
+
+    @cute.jit
+    def _receive(self, box, column, valid, first):
+        """Every rank's 16 bytes of this fragment from the mailbox: spin until they have landed
+        (bitwise sentinel test), re-arm exactly the slots consumed (peers write this generation
+        again 3 calls later); with the `first` fragment, CTA 0 also checks the call tags."""
+        tp = self.spec.tp
+        slot = box.token_base + column * BF16_BYTES
+        received = []
+        for r in cutlass.range_constexpr(tp):
+            received.append(ptx.ld_volatile_v4(slot + box.rank_stride * r, valid))
+        tag = None
+        if cutlass.const_expr(first):
+            tag = ptx.ld_volatile_v4(box.tag_address, box.tag_checker)
+        for r in cutlass.range_constexpr(tp):
+            w0, w1, w2, w3 = received[r]
+            while ptx.words_hold_sentinel(w0, w1, w2, w3):
+                ptx.trap_after(box.deadline)
+                w0, w1, w2, w3 = ptx.ld_volatile_v4(slot + box.rank_stride * r, valid)
+            received[r] = (w0, w1, w2, w3)
+        for r in cutlass.range_constexpr(tp):
+            ptx.st_global_v4(slot + box.rank_stride * r, *([Uint32(SENTINEL_WORD)] * _WORDS), valid)
+        if cutlass.const_expr(first):
+            if box.cta == 0:
+                self._check_call_tags(tag, box.tag_address, box.tag_checker, box.deadline, box.tid, box.token, box.generation,
+                                      box.state_address)
+        return received
+
+    def _reduce(self, received):
+        """Contract step 3: fp32 sum in rank order from +0.0, one rounding to bf16; y as fp32."""
+        total = [Float32(0.0)] * VECTOR_ELEMS
+        for words in received:
+            lanes = _widen(words)
+            total = [ptx.add_rn(total[j], lanes[j]) for j in range(VECTOR_ELEMS)]
+        return _widen(_narrow(total))
+
+    def _post_mix(self, y, residual_words, mix, new_residual, row, column, valid):
+        """Contract step 4, per target t: a = y * post[t]; a = fma(residual[s], comb[s, t], a)
+        over s in order; new_residual[t] = bf16(a), stored. Returns the targets as fp32."""
+        hc, hidden = self.spec.hc, self.spec.hidden_size
+        streams = [_widen(words) for words in residual_words]
+        mixed = []
+        for t in range(hc):
+            a = [ptx.mul_rn(y[j], mix.post[t]) for j in range(VECTOR_ELEMS)]
+            for s in range(hc):
+                a = [ptx.fma_rn(streams[s][j], mix.comb[s][t], a[j]) for j in range(VECTOR_ELEMS)]
+            words = _narrow(a)
+            ptx.st_global_v4(new_residual + ((row * hc + t) * hidden + column) * BF16_BYTES, *words, valid)
+            mixed.append(_widen(words))
+        return mixed
+
+    def _collapse(self, mixed, mix):
+        """Contract step 5: c = +0; c = fma(new_residual[t], pre[t], c) over t in order; p = bf16(c)."""
+        c = [Float32(0.0)] * VECTOR_ELEMS
+        for t in range(self.spec.hc):
+            c = [ptx.fma_rn(mixed[t][j], mix.pre[t], c[j]) for j in range(VECTOR_ELEMS)]
+        return _widen(_narrow(c))
+
+    def _sum_of_squares(self, p, sum_sq):
+        """Contract step 6, the thread's partial: fragments in order, elements in order."""
+        for j in range(VECTOR_ELEMS):
+            sum_sq = ptx.fma_rn(p[j], p[j], sum_sq)
+        return sum_sq
+
+    def _rms_norm(self, p, inv, weight_words, layer_input, row, column, valid):
+        """Contract step 6's output: bf16((p * inv) * w), stored; returned as packed words."""
+        w = _widen(weight_words)
+        out = _narrow([ptx.mul_rn(ptx.mul_rn(p[j], inv), w[j]) for j in range(VECTOR_ELEMS)])
+        ptx.st_global_v4(layer_input + (row * self.spec.hidden_size + column) * BF16_BYTES, *out, valid)
+        return out
 
     # ------------------------------------------------------------------------------------------
 

@@ -10,10 +10,9 @@ from cutlass import Float32, Int64, Uint32
 
 from .. import ptx
 from ..config import VECTOR_ELEMS
-from ..protocol import BF16_BYTES, INVALID_ROUTES, SKIPPED_ROUTE, STATE_WORD_BYTES
+from ..protocol import BF16_BYTES, INT32_BYTES, INVALID_ROUTES, SKIPPED_ROUTE, STATE_WORD_BYTES
 
 _WORDS_PER_VECTOR = 4
-_F32_BYTES = 4
 
 
 def load_x(source, element_offset, valid=None):
@@ -29,7 +28,7 @@ def finalize_sum(hidden, top_k, shared, gemm2, weights, routes, gemm2_rows, toke
     one rounding to bf16. `valid` (None: always) predicates the vector's own loads."""
     acc = [Float32(0.0)] * VECTOR_ELEMS
     for k in range(top_k):
-        route_offset = (Int64(token) * top_k + k) * 4
+        route_offset = (Int64(token) * top_k + k) * INT32_BYTES  # of the route index and of its weight (fp32)
         row = ptx.ld_global_s32(routes + route_offset)
         taken = (row >= 0) & (row < gemm2_rows)
         invalid = ((row < 0) & (row != SKIPPED_ROUTE)) | (row >= gemm2_rows)

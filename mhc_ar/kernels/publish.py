@@ -20,6 +20,7 @@ from ..protocol import (
     BF16_BYTES,
     CALL_SEQUENCE,
     CONSUME_GENERATION,
+    F32_BYTES,
     MAX_TP,
     PUBLISH_GENERATION,
     STATE_WORD_BYTES,
@@ -30,12 +31,11 @@ from ..protocol import (
     TAG_RANK_SHIFT,
     fingerprint_multiplier,
     layout_id,
-    row_elems,
+    slot_byte_offset,
     tag_byte_offset,
 )
 from .contribution import finalize_sum, load_x
 
-_F32_BYTES = 4
 
 
 class PublishKernel:
@@ -165,7 +165,7 @@ class PublishKernel:
             w1 = ptx.scrub_word(data[1])
             w2 = ptx.scrub_word(data[2])
             w3 = ptx.scrub_word(data[3])
-            row = ((Int64(generation) * spec.tp + Int64(rank)) * spec.capacity + Int64(token)) * row_elems(hidden) * BF16_BYTES
+            row = slot_byte_offset(Int64(generation), Int64(rank), Int64(token), hidden, spec.tp, spec.capacity)
             peers = (peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7)
             self._store_everywhere(peers, multicast, row + Int64(vector) * (VECTOR_ELEMS * BF16_BYTES), (w0, w1, w2, w3))
             if tag_thread:
@@ -187,7 +187,7 @@ class PublishKernel:
         hc + hc^2) keep the publish at full occupancy."""
         hc = self.spec.hc
         row = Int64(token)
-        return [ptx.ld_global_u32(post + (row * hc + t) * _F32_BYTES, tag_thread) for t in range(hc)]
+        return [ptx.ld_global_u32(post + (row * hc + t) * F32_BYTES, tag_thread) for t in range(hc)]
 
     def _call_tag(self, coefficients, sequence, num_tokens, rank):
         """The token's call tag (mhc_ar.protocol.call_tag): sequence, M, fingerprint of the
