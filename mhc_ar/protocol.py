@@ -181,6 +181,21 @@ LAYER_CALL_ARGUMENTS = (*RANK_ARGUMENTS, "mailbox", *CONTRIBUTION_ARGUMENTS, *MI
                         "num_tokens", "rejected", "gemm2_rows")
 TENSOR_LAUNCHER_ARGUMENTS = (*RANK_ARGUMENTS, "mailbox", *CONTRIBUTION_ARGUMENTS, *MIX_ARGUMENTS, "new_residual",
                              "layer_input", "eps", "rejected")
+# The device functions (@cute.kernel) take the same arguments with these groups as tuples.
+ARGUMENT_GROUPS = {"peers": PEER_ARGUMENTS, "contribution": CONTRIBUTION_ARGUMENTS, "mix": MIX_ARGUMENTS,
+                   "outputs": OUTPUT_ARGUMENTS}
+PUBLISH_KERNEL_ARGUMENTS = ("contribution", "post", "state", "peers", "multicast", "rank", "num_tokens", "rejected",
+                            "gemm2_rows")
+CONSUMER_KERNEL_ARGUMENTS = ("mailbox", "state", "contribution", "mix", "outputs", "eps", "num_tokens", "gemm2_rows")
 # The 32-bit integer and float arguments; every other is an address (or a tensor).
 INT32_ARGUMENTS = frozenset({"rank", "num_tokens", "rejected", "gemm2_rows"})
 FLOAT_ARGUMENTS = frozenset({"eps"})
+
+
+def flat_arguments(names) -> tuple[str, ...]:
+    """A grouped argument list (ARGUMENT_GROUPS) spelled out: the host-side list it stands for."""
+    return tuple(name for group in names for name in ARGUMENT_GROUPS.get(group, (group,)))
+
+
+assert flat_arguments(PUBLISH_KERNEL_ARGUMENTS) == PUBLISH_ARGUMENTS
+assert flat_arguments(CONSUMER_KERNEL_ARGUMENTS) == CONSUMER_ARGUMENTS

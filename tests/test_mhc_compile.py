@@ -240,9 +240,9 @@ def test_kernel_signatures_follow_the_declared_argument_lists():
 
     cases = [
         (PublishKernel.__call__, protocol.PUBLISH_ARGUMENTS, True),
-        (PublishKernel.kernel, protocol.PUBLISH_ARGUMENTS, False),
+        (PublishKernel.kernel, protocol.PUBLISH_KERNEL_ARGUMENTS, False),
         (ConsumerKernel.__call__, protocol.CONSUMER_ARGUMENTS, True),
-        (ConsumerKernel.kernel, protocol.CONSUMER_ARGUMENTS, False),
+        (ConsumerKernel.kernel, protocol.CONSUMER_KERNEL_ARGUMENTS, False),
         (PublishThenConsume.__call__, protocol.LAYER_CALL_ARGUMENTS, True),
         (PublishThenConsumeTensors.__call__, protocol.TENSOR_LAUNCHER_ARGUMENTS, True),
     ]
@@ -250,6 +250,8 @@ def test_kernel_signatures_follow_the_declared_argument_lists():
         parameters = list(inspect.signature(inspect.unwrap(function)).parameters)
         assert parameters == ["self", *names, *(["stream"] if launches else [])], function.__qualname__
     assert protocol.RANK_ARGUMENTS == protocol.LAYER_CALL_ARGUMENTS[: len(protocol.RANK_ARGUMENTS)]
+    assert protocol.flat_arguments(protocol.PUBLISH_KERNEL_ARGUMENTS) == protocol.PUBLISH_ARGUMENTS
+    assert protocol.flat_arguments(protocol.CONSUMER_KERNEL_ARGUMENTS) == protocol.CONSUMER_ARGUMENTS
 
 
 def test_a_rank_binds_its_arguments_in_the_declared_order():

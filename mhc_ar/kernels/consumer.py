@@ -158,8 +158,8 @@ class ConsumerKernel:
         tiling, spec = self.tiling, self.spec
         contribution = (source, gemm2, weights, routes)
         mix = (residual, post, comb, pre, norm_weight)
-        self.kernel(mailbox, state, *contribution, *mix, new_residual, layer_input, mx_values, mx_scales, eps, num_tokens,
-                    gemm2_rows).launch(
+        outputs = (new_residual, layer_input, mx_values, mx_scales)
+        self.kernel(mailbox, state, contribution, mix, outputs, eps, num_tokens, gemm2_rows).launch(
             grid=[num_tokens * tiling.cluster_size, 1, 1],
             block=[tiling.threads_per_cta, 1, 1],
             cluster=[self.cluster, 1, 1],
@@ -176,23 +176,16 @@ class ConsumerKernel:
         self,
         mailbox: Int64,
         state: cute.Tensor,
-        source: Int64,
-        gemm2: Int64,
-        weights: Int64,
-        routes: Int64,
-        residual: Int64,
-        post: Int64,
-        comb: Int64,
-        pre: Int64,
-        norm_weight: Int64,
-        new_residual: Int64,
-        layer_input: Int64,
-        mx_values: Int64,
-        mx_scales: Int64,
+        contribution: tuple,
+        mix: tuple,
+        outputs: tuple,
         eps: Float32,
         num_tokens: Int32,
         gemm2_rows: Int32,
     ):
+        source, gemm2, weights, routes = contribution
+        residual, post, comb, pre, norm_weight = mix
+        new_residual, layer_input, mx_values, mx_scales = outputs
         spec, tiling = self.spec, self.tiling
         hidden, hc, tp = spec.hidden_size, spec.hc, spec.tp
         threads, per_cta = tiling.threads_per_cta, tiling.vectors_per_cta
@@ -238,7 +231,7 @@ class ConsumerKernel:
         # loaded now too, so its latency hides under the generation's and the mailbox's instead
         # of following the spin.
         row = Int64(token)
-        mix = self._load_coefficients(post, comb, pre, row)
+        coefficients = self._load_coefficients(post, comb, pre, row)
         fragments = []  # (vector, column, valid) of each fragment this thread owns
         residual_words = []  # per fragment: hc packed vectors, residual[token, s, column]
         contributions = []  # per fragment, at tp = 1: the contribution's packed vector
@@ -273,9 +266,9 @@ class ConsumerKernel:
             y = self._reduce(received)
             if cutlass.const_expr(not spec.prefetch_residual):
                 residual_words.append(self._load_residual(residual, row, column, valid))
-            mixed = self._post_mix(y, residual_words[k], mix, new_residual, row, column, valid)
+            mixed = self._post_mix(y, residual_words[k], coefficients, new_residual, row, column, valid)
             if cutlass.const_expr(self.has_norm):
-                p = self._collapse(mixed, mix)
+                p = self._collapse(mixed, coefficients)
                 sum_sq = self._sum_of_squares(p, sum_sq)
                 collapsed.append(p)
 
@@ -338,26 +331,26 @@ class ConsumerKernel:
             total = [ptx.add_rn(total[j], lanes[j]) for j in range(VECTOR_ELEMS)]
         return _widen(_narrow(total))
 
-    def _post_mix(self, y, residual_words, mix, new_residual, row, column, valid):
+    def _post_mix(self, y, residual_words, coefficients, new_residual, row, column, valid):
         """Contract step 4, per target t: a = y * post[t]; a = fma(residual[s], comb[s, t], a)
         over s in order; new_residual[t] = bf16(a), stored. Returns the targets as fp32."""
         hc, hidden = self.spec.hc, self.spec.hidden_size
         streams = [_widen(words) for words in residual_words]
         mixed = []
         for t in range(hc):
-            a = [ptx.mul_rn(y[j], mix.post[t]) for j in range(VECTOR_ELEMS)]
+            a = [ptx.mul_rn(y[j], coefficients.post[t]) for j in range(VECTOR_ELEMS)]
             for s in range(hc):
-                a = [ptx.fma_rn(streams[s][j], mix.comb[s][t], a[j]) for j in range(VECTOR_ELEMS)]
+                a = [ptx.fma_rn(streams[s][j], coefficients.comb[s][t], a[j]) for j in range(VECTOR_ELEMS)]
             words = _narrow(a)
             ptx.st_global_v4(new_residual + ((row * hc + t) * hidden + column) * BF16_BYTES, *words, valid)
             mixed.append(_widen(words))
         return mixed
 
-    def _collapse(self, mixed, mix):
+    def _collapse(self, mixed, coefficients):
         """Contract step 5: c = +0; c = fma(new_residual[t], pre[t], c) over t in order; p = bf16(c)."""
         c = [Float32(0.0)] * VECTOR_ELEMS
         for t in range(self.spec.hc):
-            c = [ptx.fma_rn(mixed[t][j], mix.pre[t], c[j]) for j in range(VECTOR_ELEMS)]
+            c = [ptx.fma_rn(mixed[t][j], coefficients.pre[t], c[j]) for j in range(VECTOR_ELEMS)]
         return _widen(_narrow(c))
 
     def _sum_of_squares(self, p, sum_sq):

@@ -89,28 +89,18 @@ class PublishKernel:
         threads = self.spec.threads_per_cta
         blocks = (num_tokens * self.spec.num_vectors + (threads - 1)) // threads
         peers = (peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7)
-        contribution = (source, gemm2, weights, routes, post)
-        self.kernel(*contribution, state, *peers, multicast, rank, num_tokens, rejected, gemm2_rows).launch(
+        contribution = (source, gemm2, weights, routes)
+        self.kernel(contribution, post, state, peers, multicast, rank, num_tokens, rejected, gemm2_rows).launch(
             grid=[blocks, 1, 1], block=[threads, 1, 1], stream=stream, use_pdl=True
         )
 
     @cute.kernel
     def kernel(
         self,
-        source: Int64,
-        gemm2: Int64,
-        weights: Int64,
-        routes: Int64,
+        contribution: tuple,
         post: Int64,
         state: cute.Tensor,
-        peer0: Int64,
-        peer1: Int64,
-        peer2: Int64,
-        peer3: Int64,
-        peer4: Int64,
-        peer5: Int64,
-        peer6: Int64,
-        peer7: Int64,
+        peers: tuple,
         multicast: Int64,
         rank: Int32,
         num_tokens: Int32,
@@ -119,6 +109,7 @@ class PublishKernel:
     ):
         spec = self.spec
         hidden = spec.hidden_size
+        source, gemm2, weights, routes = contribution
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         shared_state = SmemAllocator().allocate_tensor(Uint32, cute.make_layout((STATE_WORDS,)), byte_alignment=16)
@@ -166,7 +157,6 @@ class PublishKernel:
             w2 = ptx.scrub_word(data[2])
             w3 = ptx.scrub_word(data[3])
             row = slot_byte_offset(Int64(generation), Int64(rank), Int64(token), hidden, spec.tp, spec.capacity)
-            peers = (peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7)
             self._store_everywhere(peers, multicast, row + Int64(vector) * (VECTOR_ELEMS * BF16_BYTES), (w0, w1, w2, w3))
             if tag_thread:
                 tag = self._call_tag(coefficients, sequence, num_tokens, rank)
