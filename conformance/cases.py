@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from mhc_ar.config import MAX_HC, Contribution, Variant
+from mhc_ar.config import MAX_HC, MXFP8_BLOCK, VECTOR_ELEMS, Contribution, Variant
 from mhc_ar.protocol import MAX_TP
 
 TP_SIZES = (1, 2, 4, 8)
@@ -35,6 +35,9 @@ HC_VALUES = (1, 2, 4, 8)
 TOKEN_COUNTS = (1, 2, 3, 5, 8, 16, 31, 64, 127, 128, 129, 256)
 CAPACITY = 256
 FINALIZE_TOP_K = 8
+# The mxfp8 variant's hidden sizes: whole groups of 4 MXFP8 blocks, the 4 scale columns of the
+# 128x4 scale swizzle (as mhc_ar.config's ConsumerSpec requires).
+MXFP8_HIDDEN_MULTIPLE = 4 * MXFP8_BLOCK
 # The quick preset adds a small hidden size (one CTA, 16 vectors) so a CI run stays short.
 QUICK_HIDDEN_SIZES = (128, 4096)
 # The default preset gives each combination this many M values, one from each stretch of
@@ -105,10 +108,10 @@ class Case:
                 raise ValueError(f"{name} must be an int, got {value!r}")
         if not 1 <= self.tp <= MAX_TP:
             raise ValueError(f"tp must be in 1..{MAX_TP}, got {self.tp}")
-        if self.hidden <= 0 or self.hidden % 8:
-            raise ValueError(f"hidden must be a positive multiple of 8, got {self.hidden}")
-        if self.variant is Variant.MXFP8 and self.hidden % 128:
-            raise ValueError(f"the mxfp8 variant needs hidden % 128 == 0, got {self.hidden}")
+        if self.hidden <= 0 or self.hidden % VECTOR_ELEMS:
+            raise ValueError(f"hidden must be a positive multiple of {VECTOR_ELEMS}, got {self.hidden}")
+        if self.variant is Variant.MXFP8 and self.hidden % MXFP8_HIDDEN_MULTIPLE:
+            raise ValueError(f"the mxfp8 variant needs hidden % {MXFP8_HIDDEN_MULTIPLE} == 0, got {self.hidden}")
         if not 1 <= self.hc <= MAX_HC:
             raise ValueError(f"hc must be in 1..{MAX_HC}, got {self.hc}")
         if not 1 <= self.m <= self.capacity:
@@ -259,7 +262,7 @@ class Filters:
         """A ValueError naming the option and its rule for any value no case can have."""
         rules = (
             ("tp", lambda v: 1 <= v <= MAX_TP, f"TP sizes are 1..{MAX_TP}"),
-            ("hidden", lambda v: v > 0 and v % 8 == 0, "hidden sizes are positive multiples of 8"),
+            ("hidden", lambda v: v > 0 and v % VECTOR_ELEMS == 0, f"hidden sizes are positive multiples of {VECTOR_ELEMS}"),
             ("hc", lambda v: 1 <= v <= MAX_HC, f"hc is 1..{MAX_HC}"),
             ("m", lambda v: 1 <= v <= CAPACITY, f"M is 1..{CAPACITY} (the capacity of the run's instances)"),
         )
@@ -269,8 +272,10 @@ class Filters:
                     raise ValueError(f"--{name} {value}: {rule}")
         if self.variant is not None and Variant.MXFP8 in self.variant:
             for hidden in self.hidden or ():
-                if hidden % 128:
-                    raise ValueError(f"--hidden {hidden} with --variant mxfp8: the mxfp8 variant needs hidden % 128 == 0")
+                if hidden % MXFP8_HIDDEN_MULTIPLE:
+                    raise ValueError(
+                        f"--hidden {hidden} with --variant mxfp8: the mxfp8 variant needs hidden % {MXFP8_HIDDEN_MULTIPLE} == 0"
+                    )
 
     def axes(self, tp, hidden, hc, ops, variants) -> tuple:
         """The preset's axes with the given ones in their place."""
@@ -326,13 +331,13 @@ def _preset_shapes(preset: Preset, filters: Filters) -> list[tuple[Shape, Family
 
 def preset_cases(preset: Preset | str, filters: Filters = Filters(), *, seed_offset: int = 0) -> list[Case]:
     """The cases of a preset on the filters' axes, in matrix order, ids unique. Shapes the
-    mxfp8 variant cannot take (hidden % 128) are left out when the variant axis is the preset's
+    mxfp8 variant cannot take (hidden % MXFP8_HIDDEN_MULTIPLE) are left out when the variant axis is the preset's
     (Filters.validate refuses them when it is given)."""
     preset = Preset(preset)
     cases: dict[str, Case] = {}
     for shape, assigned in _preset_shapes(preset, filters):
         tp, hidden, hc, m, op, variant = shape
-        if Variant(variant) is Variant.MXFP8 and hidden % 128:
+        if Variant(variant) is Variant.MXFP8 and hidden % MXFP8_HIDDEN_MULTIPLE:
             continue
         families = filters.family if filters.family is not None else (assigned,)
         for family in families:

@@ -30,12 +30,12 @@ from dataclasses import dataclass
 import torch
 
 from mhc_ar.config import Contribution, Variant
+from mhc_ar.protocol import SKIPPED_ROUTE
 from reference import MixInputs, RankInputs
 
 from .cases import FAMILIES, Case, Family
 
 EPS = 1e-6
-SKIPPED_ROUTE = -1
 SKIPPED_ROUTE_FRACTION = 0.25
 # order_sensitive: columns j with j % ORDER_PERIOD equal to one of these carry the pattern of
 # one stage; spread over every thread and CTA of the consumer.

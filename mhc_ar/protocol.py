@@ -56,6 +56,11 @@ import zlib
 GENERATIONS = 3
 SENTINEL_BF16 = 0x8000  # bf16 -0.0: "not yet written"
 SENTINEL_WORD = (SENTINEL_BF16 << 16) | SENTINEL_BF16
+# The sentinel in the low and in the high 16-bit lane of a 32-bit word, as the PTX immediates of
+# the integer compares that test for it (mhc_ar.ptx emits them, conformance.ptx_contract looks
+# for them in the compiled kernels).
+SENTINEL_LOW_PTX = f"0x{SENTINEL_BF16:08X}"  # "0x00008000"
+SENTINEL_HIGH_PTX = f"0x{SENTINEL_BF16 << 16:08X}"  # "0x80000000"
 
 PUBLISH_GENERATION = 0
 CONSUME_GENERATION = 1

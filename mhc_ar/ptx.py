@@ -19,10 +19,7 @@ from cutlass import Boolean, Float32, Int32, Int64, Uint32, Uint64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .protocol import SENTINEL_BF16
-
-_LOW = f"0x{SENTINEL_BF16:08X}"  # sentinel in the low lane of a word
-_HIGH = f"0x{SENTINEL_BF16 << 16:08X}"  # sentinel in the high lane
+from .protocol import SENTINEL_HIGH_PTX, SENTINEL_LOW_PTX
 
 
 def _asm(result_type, operands, ptx, constraints, *, side_effects, loc, ip):
@@ -128,7 +125,7 @@ def scrub_word(word: Uint32, *, loc=None, ip=None) -> Uint32:
     ptx = (
         "{\n\t.reg .pred plo, phi;\n\t.reg .b32 lo, hi;\n\t"
         "and.b32 lo, $1, 0x0000FFFF;\n\tand.b32 hi, $1, 0xFFFF0000;\n\t"
-        f"setp.eq.b32 plo, lo, {_LOW};\n\tsetp.eq.b32 phi, hi, {_HIGH};\n\t"
+        f"setp.eq.b32 plo, lo, {SENTINEL_LOW_PTX};\n\tsetp.eq.b32 phi, hi, {SENTINEL_HIGH_PTX};\n\t"
         "selp.b32 lo, 0, lo, plo;\n\tselp.b32 hi, 0, hi, phi;\n\tor.b32 $0, lo, hi;\n\t}"
     )
     return Uint32(_asm(T.i32(), _ir([Uint32(word)], loc, ip), ptx, "=r,r", side_effects=False, loc=loc, ip=ip))
@@ -141,7 +138,7 @@ def words_hold_sentinel(w0: Uint32, w1: Uint32, w2: Uint32, w3: Uint32, *, loc=N
     for i in range(1, 5):
         compares.append(f"and.b32 lo, ${i}, 0x0000FFFF;\n\tand.b32 hi, ${i}, 0xFFFF0000;\n\t")
         first = "setp.eq.b32 p, lo, {}" if i == 1 else "setp.eq.or.b32 p, lo, {}, p"
-        compares.append(first.format(_LOW) + f";\n\tsetp.eq.or.b32 p, hi, {_HIGH}, p;\n\t")
+        compares.append(first.format(SENTINEL_LOW_PTX) + f";\n\tsetp.eq.or.b32 p, hi, {SENTINEL_HIGH_PTX}, p;\n\t")
     ptx = "{\n\t.reg .pred p;\n\t.reg .b32 lo, hi;\n\t" + "".join(compares) + "selp.u32 $0, 1, 0, p;\n\t}"
     ops = _ir([Uint32(w0), Uint32(w1), Uint32(w2), Uint32(w3)], loc, ip)
     flag = Uint32(_asm(T.i32(), ops, ptx, "=r,r,r,r,r", side_effects=False, loc=loc, ip=ip))

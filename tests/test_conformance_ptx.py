@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from conformance import ptx_contract
 from conformance.ptx_contract import (
     KernelContract,
     check_compiled_variants,
@@ -19,6 +20,7 @@ from conformance.ptx_contract import (
 )
 from mhc_ar.compile import compile_spec, kernel_variants
 from mhc_ar.config import ConsumerSpec, Contribution, PublishSpec, Variant, choose_consumer_tiling
+from mhc_ar.protocol import SENTINEL_HIGH_PTX, SENTINEL_LOW_PTX
 
 SPECS = kernel_variants()
 
@@ -34,6 +36,10 @@ def sm90_ptx() -> dict:
 
 def _failed(spec, ptx) -> set[str]:
     return {c.name for c in check_ptx(spec, ptx) if not c.passed}
+
+
+def test_the_contract_looks_for_the_sentinel_the_kernels_emit():
+    assert (ptx_contract.SENTINEL_LOW, ptx_contract.SENTINEL_HIGH) == (SENTINEL_LOW_PTX, SENTINEL_HIGH_PTX)
 
 
 def test_every_variant_is_compiled(sm90_ptx):

@@ -243,3 +243,44 @@ def test_gpu_kernels_match_on_a_few_cases(tmp_path):
     assert report.mode == "gpu"
     assert [r.status for r in report.cases] == [Status.PASS] * len(ids), [r.summary() for r in report.cases]
     assert report.exit_code == 0
+
+
+_HUNG_RUN = """
+import sys, time
+from conformance.run import RunOptions, execute
+from conformance.runner import ReferenceKernelBackend
+
+class Hangs(ReferenceKernelBackend):
+    def run(self, case, inputs):
+        if case.tp == 2:
+            time.sleep(120)  # a consumer spinning forever, as far as the run can tell
+        return super().run(case, inputs)
+
+options = RunOptions(case_ids=sys.argv[2].split(","), out=sys.argv[1], run_id="hung", compile_checks=False,
+                     reference_checks=False, progress=False, case_timeout_s=float(sys.argv[3]))
+execute(options, backend=Hangs())
+print("execute returned")
+"""
+
+
+def test_a_hung_case_writes_the_report_and_exits_1(tmp_path):
+    """The watchdog's way out: the process cannot return from a hung CUDA call, so it writes the
+    report (the hung case an error, the rest not run) and leaves with os._exit(1)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    ids = ["tp1-H128-hc1-M1-call-full-normal", "tp2-H128-hc1-M1-call-full-normal", "tp4-H128-hc1-M1-call-full-normal"]
+    timeout_s = 5.0
+    proc = subprocess.run([sys.executable, "-c", _HUNG_RUN, str(tmp_path), ",".join(ids), str(timeout_s)],
+                          capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == f"ERROR    {ids[1]}: timed out after {timeout_s} s; writing the report and exiting"
+    assert lines[1].startswith("FAIL mhc-ar conformance hung (cases, cpu): 3 cases: 1 pass, 0 mismatch, 1 error, 1 not run")
+    assert "execute returned" not in proc.stdout
+    saved = json.loads((tmp_path / "hung" / "results.json").read_text())
+    assert [(c["id"], c["status"]) for c in saved["cases"]] == list(zip(ids, ["pass", "error", "not_run"]))
+    assert saved["cases"][1]["error"] == f"timeout: no result after {timeout_s} s (kernel hang?); run aborted"
+    assert saved["cases"][2]["reason"] == f"not run: run aborted after {ids[1]} timed out"
+    assert (tmp_path / "hung" / "junit.xml").is_file() and (tmp_path / "hung" / "index.html").is_file()

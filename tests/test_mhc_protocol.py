@@ -11,6 +11,8 @@ from mhc_ar.protocol import (
     MAX_CAPACITY,
     ROW_PAD_ELEMS,
     SENTINEL_BF16,
+    SENTINEL_HIGH_PTX,
+    SENTINEL_LOW_PTX,
     TAG_FIELD_MASK,
     TAG_RANK_MASK,
     call_tag,
@@ -26,6 +28,11 @@ from mhc_ar.protocol import (
 from mhc_ar.residency import CoResidency, InstanceGrid
 
 words32 = st.integers(min_value=0, max_value=2**32 - 1)
+
+
+def test_the_sentinel_as_ptx_immediates_is_one_lane_of_a_word():
+    assert int(SENTINEL_LOW_PTX, 16) == SENTINEL_BF16 and int(SENTINEL_HIGH_PTX, 16) == SENTINEL_BF16 << 16
+    assert (SENTINEL_LOW_PTX, SENTINEL_HIGH_PTX) == ("0x00008000", "0x80000000")  # 8 hex digits: a b32 immediate
 
 
 @given(st.integers(min_value=0, max_value=2**40))
