@@ -44,6 +44,9 @@ CROSSED_HC = (4,)  # --hidden without --hc sweeps these hc
 DETAIL_SHAPE = (5120, 4)  # (hidden, hc) of the eager table, the MXFP8 diagnosis and the TP rows
 TP_SWEEP = (8,)  # emulated TP sizes, beside TP=1
 TP_M_SWEEP = (1, 16, 1024)
+SMALL_M = 16  # the small-M targets hold for M <= SMALL_M (here and in bench_tp)
+SMALL_M_FUSED_US = 8.0  # the earlier issue's small-M target (here and in bench_tp)
+SMALL_M_TP1_FUSED_US = 3.0  # issue 13's, at TP = 1
 
 
 def graph_time_us(calls, *, calls_per_graph: int = CALLS_PER_GRAPH, repeats: int = REPEATS, before_each_replay=None) -> float:
@@ -647,12 +650,12 @@ def _issue13_targets(result: BenchResult) -> list[tuple[str, bool, str]]:
         slowest = max(compiled, key=lambda r: r.fused_us / r.compiled_us)
         checks.append(("TP=1: fused not slower than the torch.compile chain at any M", slowest.fused_us <= slowest.compiled_us,
                        f"worst {_row_name(slowest)}: fused {slowest.fused_us:.2f} us, compiled {slowest.compiled_us:.2f} us"))
-        tiny = [r for r in compiled if r.m <= 16]
+        tiny = [r for r in compiled if r.m <= SMALL_M]
         if tiny:  # two conditions, each decided by its own row
             longest = max(tiny, key=lambda r: r.fused_us)
             worst = max(tiny, key=lambda r: r.fused_us / r.compiled_us)
-            ok = longest.fused_us <= 3.0 and worst.fused_us <= 0.5 * worst.compiled_us
-            checks.append(("TP=1, M<=16: fused <= 3.0 us and <= 0.5x compiled", ok,
+            ok = longest.fused_us <= SMALL_M_TP1_FUSED_US and worst.fused_us <= 0.5 * worst.compiled_us
+            checks.append((f"TP=1, M<={SMALL_M}: fused <= {SMALL_M_TP1_FUSED_US:g} us and <= 0.5x compiled", ok,
                            f"slowest {_row_name(longest)}: {longest.fused_us:.2f} us; "
                            f"worst ratio {_row_name(worst)}: x{worst.fused_us / worst.compiled_us:.2f} of compiled"))
     if result.rows:
@@ -678,12 +681,12 @@ def _issue13_targets(result: BenchResult) -> list[tuple[str, bool, str]]:
 
 def _earlier_targets(result: BenchResult) -> list[tuple[str, bool | None, str]]:
     checks = []
-    small = [r for r in result.rows if r.hidden == 5120 and r.m <= 16]
+    small = [r for r in result.rows if r.hidden == 5120 and r.m <= SMALL_M]
     if small:
         worst = max(r.fused_us for r in small)
         ratio = min(r.unfused_us / r.fused_us for r in small)
-        checks.append(("M<=16, H=5120: fused <= 8 us", worst <= 8.0, f"max {worst:.2f} us"))
-        checks.append(("M<=16, H=5120: >= 4x unfused", ratio >= 4.0, f"min x{ratio:.1f}"))
+        checks.append((f"M<={SMALL_M}, H=5120: fused <= {SMALL_M_FUSED_US:g} us", worst <= SMALL_M_FUSED_US, f"max {worst:.2f} us"))
+        checks.append((f"M<={SMALL_M}, H=5120: >= 4x unfused", ratio >= 4.0, f"min x{ratio:.1f}"))
     big = [r for r in result.rows if r.m == 1024]
     if big:
         ratio = min(r.unfused_us / r.fused_us for r in big)

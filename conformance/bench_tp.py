@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 
 # Timed as the single-GPU bench times: the same graph length and number of replays.
-from .bench import CALLS_PER_GRAPH, REPEATS
+from .bench import CALLS_PER_GRAPH, REPEATS, SMALL_M
+from .bench import SMALL_M_FUSED_US as FUSED_TARGET_US
 
 M_SWEEP = (1, 2, 4, 8, 16, 32, 64, 128)
-SMALL_M = 16  # the targets: fused <= FUSED_TARGET_US at M <= SMALL_M, and >= SPEEDUP_TARGET x
-FUSED_TARGET_US = 8.0
+# The targets: fused <= FUSED_TARGET_US at M <= SMALL_M, and >= SPEEDUP_TARGET x NCCL + unfused.
 SPEEDUP_TARGET = 2.5
 
 

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from mhc_ar.config import ConsumerSpec, Contribution, PublishSpec, Variant
+from mhc_ar.protocol import SENTINEL_HIGH_PTX as SENTINEL_HIGH, SENTINEL_LOW_PTX as SENTINEL_LOW
 
-SENTINEL_LOW = "0x00008000"  # bf16 -0.0 in the low lane of a 32-bit word
-SENTINEL_HIGH = "0x80000000"  # ... in the high lane
+from .status import CheckStatus
+
 _FLOAT_TYPES = (".f16", ".f16x2", ".bf16", ".bf16x2", ".f32", ".f64")
 
 
@@ -588,7 +589,7 @@ class KernelContract:
     kernel: str
     kind: str  # publish | consumer
     variant: str  # e.g. call-unicast, finalize-multicast, full, mxfp8, residual_only
-    status: str  # pass | fail | error
+    status: CheckStatus  # pass | fail | error
     compile_s: float
     checks: list[PtxCheck] = field(default_factory=list)
     error: str | None = None
@@ -600,7 +601,7 @@ class KernelContract:
             "kernel": self.kernel,
             "kind": self.kind,
             "variant": self.variant,
-            "status": self.status,
+            "status": CheckStatus(self.status).value,
             "compile_s": round(self.compile_s, 4),
             "checks": [c.to_dict() for c in self.checks],
             "error": self.error,
@@ -645,11 +646,12 @@ def check_compiled_variants(
                 if not ptx:
                     raise RuntimeError("the compiler returned no PTX")
             except Exception:
-                result = KernelContract(arch, name, kind, variant, "error", time.perf_counter() - start, error=traceback.format_exc())
+                result = KernelContract(arch, name, kind, variant, CheckStatus.ERROR, time.perf_counter() - start,
+                                        error=traceback.format_exc())
             else:
                 elapsed = time.perf_counter() - start
                 checks = check_ptx(spec, ptx)
-                status = "pass" if all(c.passed for c in checks) else "fail"
+                status = CheckStatus.PASS if all(c.passed for c in checks) else CheckStatus.FAIL
                 result = KernelContract(arch, name, kind, variant, status, elapsed, checks)
                 if ptx_dir is not None:
                     path = Path(ptx_dir) / arch / f"{name}.ptx"

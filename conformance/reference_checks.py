@@ -38,6 +38,7 @@ from reference import float64_model
 from .cases import Case, Family
 from .inputs import CaseInputs, make_inputs
 from .runner import tiling_tree
+from .status import CheckStatus
 
 ULP_BOUND = 1  # unexplained bf16 ulps (or e4m3 codes, or scale steps) allowed per stage
 _BF16_MIN_ULP = 2.0**-133
@@ -84,7 +85,7 @@ class StageResult:
 @dataclass
 class ReferenceCheck:
     case: Case
-    status: str  # pass | fail | error
+    status: CheckStatus  # pass | fail | error
     stages: list[StageResult] = field(default_factory=list)
     seconds: float = 0.0
     error: str | None = None
@@ -94,7 +95,7 @@ class ReferenceCheck:
             "case": self.case.id,
             "family": self.case.family.value,
             "m": self.case.m,
-            "status": self.status,
+            "status": CheckStatus(self.status).value,
             "ulp_bound": ULP_BOUND,
             "seconds": round(self.seconds, 4),
             "stages": [s.to_dict() for s in self.stages],
@@ -125,8 +126,8 @@ def check_reference(case: Case, device="cpu") -> ReferenceCheck:
             for name, check in report.stages.items()
         ]
     except Exception:
-        return ReferenceCheck(case, "error", seconds=time.perf_counter() - start, error=traceback.format_exc())
-    status = "pass" if all(s.passed for s in stages) else "fail"
+        return ReferenceCheck(case, CheckStatus.ERROR, seconds=time.perf_counter() - start, error=traceback.format_exc())
+    status = CheckStatus.PASS if all(s.passed for s in stages) else CheckStatus.FAIL
     return ReferenceCheck(case, status, stages, time.perf_counter() - start)
 
 
