@@ -655,7 +655,7 @@ def _issue13_targets(result: BenchResult) -> list[tuple[str, bool, str]]:
             longest = max(tiny, key=lambda r: r.fused_us)
             worst = max(tiny, key=lambda r: r.fused_us / r.compiled_us)
             ok = longest.fused_us <= SMALL_M_TP1_FUSED_US and worst.fused_us <= 0.5 * worst.compiled_us
-            checks.append((f"TP=1, M<={SMALL_M}: fused <= {SMALL_M_TP1_FUSED_US:g} us and <= 0.5x compiled", ok,
+            checks.append((f"TP=1, M<={SMALL_M}: fused <= {SMALL_M_TP1_FUSED_US:.1f} us and <= 0.5x compiled", ok,
                            f"slowest {_row_name(longest)}: {longest.fused_us:.2f} us; "
                            f"worst ratio {_row_name(worst)}: x{worst.fused_us / worst.compiled_us:.2f} of compiled"))
     if result.rows:
