@@ -32,6 +32,13 @@ CONSUMER_MAX_THREADS = 256
 # lets 1024 threads per SM be resident; hc = 8 needs about 128 and is left to the compiler.
 RESIDENT_THREADS_PER_SM = 1024
 REGISTER_BOUND_MAX_HC = 4
+# Above it, at tp = 1, the hc * (hc + 2) mix coefficients (80 at hc = 8) go through shared
+# memory, read where used, instead of living in registers, and each post-mix target is folded into
+# the collapse as soon as it is rounded: then this many CTAs per SM fit the register bound (ptxas
+# -v, sm_90a, H 7168, hc 8: 128 registers, 4-12 bytes of spills). Measured on the H200 (session
+# 15): TP=1 H7168 hc8 -10.5% at M=1, -9.1% at M=16, -22% at M=1024 and M=8192; at emulated TP=8
+# (behind the spin) -0.5% at M=16 but +2.3% at M=1024, so the mailbox consumer keeps them in registers.
+SHARED_COEFFICIENT_CTAS_PER_SM = 4
 # The consumer loads its fragments' residual streams before the Lamport spin, so their latency
 # hides under the wait, when the 32-bit words then live across the spin fit: tp received vectors
 # (4 words each), the residual (4 * hc per fragment) and the mix coefficients (hc * (hc + 2)).
@@ -200,10 +207,17 @@ class ConsumerSpec:
         return live <= PREFETCH_MAX_LIVE_WORDS
 
     @property
+    def coefficients_in_shared(self) -> bool:
+        """Whether the mix coefficients are staged in shared memory (see SHARED_COEFFICIENT_CTAS_PER_SM)."""
+        return self.hc > REGISTER_BOUND_MAX_HC and self.direct
+
+    @property
     def min_ctas_per_sm(self) -> int:
         """Launch-bounds minimum of resident CTAs per SM (0: no register bound)."""
+        if self.coefficients_in_shared:
+            return SHARED_COEFFICIENT_CTAS_PER_SM
         if self.hc > REGISTER_BOUND_MAX_HC:
-            return 0
+            return 0  # no register bound: the compiler makes room
         return max(1, RESIDENT_THREADS_PER_SM // self.tiling.threads_per_cta)
 
 

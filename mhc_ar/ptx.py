@@ -395,3 +395,9 @@ def ld_shared_f32(shared_address: Uint32, *, loc=None, ip=None) -> Float32:
 def st_shared_f32(shared_address: Uint32, value: Float32, *, loc=None, ip=None) -> None:
     ops = _ir([Uint32(shared_address), Float32(value)], loc, ip)
     _asm(None, ops, "st.shared.f32 [$0], $1;", "r,f", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def st_shared_u32_if(shared_address: Uint32, value: Uint32, predicate, *, loc=None, ip=None) -> None:
+    """32-bit shared store where the predicate holds (staging a coefficient's bits)."""
+    _store("st.shared.b32 [$0], $1;", "r,r", [Uint32(shared_address), Uint32(value)], predicate, loc, ip)

@@ -265,3 +265,24 @@ def test_a_rank_binds_its_arguments_in_the_declared_order():
     bound = dict(zip(RANK_ARGUMENTS, endpoint.rank_arguments))
     assert bound["state"] is state and bound["rank"] == 3 and bound["multicast"] == 99
     assert [bound[f"peer{r}"] for r in range(8)] == [11, 12, 13, 14, 0, 0, 0, 0]
+
+
+def test_tp1_above_hc4_reads_the_coefficients_from_shared_memory():
+    """hc > 4 at tp = 1 (ConsumerSpec.coefficients_in_shared): the hc * (hc + 2) coefficients are
+    staged in shared memory and read where used (volatile ld.shared, one per use), under a
+    4-CTAs-per-SM register bound; the mailbox consumer (tp > 1) keeps them in registers."""
+    from conformance.ptx_contract import check_ptx
+
+    tiling = choose_consumer_tiling(7168)
+    direct = ConsumerSpec(tiling, hc=8, tp=1, capacity=CAPACITY, variant=Variant.FULL)
+    mailbox = dataclasses.replace(direct, tp=2)
+    assert direct.coefficients_in_shared and direct.min_ctas_per_sm == 4
+    assert not mailbox.coefficients_in_shared and mailbox.min_ctas_per_sm == 0
+    direct_ptx = compile_consumer(direct, "sm_90a", keep_ptx=True).ptx
+    mailbox_ptx = compile_consumer(mailbox, "sm_90a", keep_ptx=True).ptx
+    shared_reads = [i for i in parse_instructions(direct_ptx) if i.opcode == "ld.shared.f32"]
+    # post 8 + comb 64 per target loop, pre 8, plus the warp and cluster sums of the norm
+    assert len(shared_reads) >= 8 * 8 + 8 + 8
+    assert ".minnctapersm 4" in direct_ptx and ".minnctapersm" not in mailbox_ptx
+    assert not [i for i in parse_instructions(mailbox_ptx) if i.opcode == "st.shared.b32"]
+    assert all(c.passed for c in check_ptx(direct, direct_ptx))

@@ -91,6 +91,51 @@ class _Coefficients:
         self.post, self.comb, self.pre = post, comb, pre
 
 
+class _SharedCoefficients:
+    """hc > REGISTER_BOUND_MAX_HC: the token's coefficients staged in shared memory (post [hc],
+    comb [hc][hc], pre [hc], in that order), each read (ld.shared, volatile) where it is used,
+    so they take no registers across the kernel. `post[t]`, `comb[s][t]`, `pre[t]` as
+    _Coefficients'."""
+
+    @staticmethod
+    def count(hc: int) -> int:
+        return hc * (hc + 2)
+
+    def __init__(self, hc, has_norm, tensor, threads):
+        self.hc, self.threads = hc, threads
+        self.sections = [(0, hc), (hc, hc * hc)] + ([(hc + hc * hc, hc)] if has_norm else [])
+        self.base = tensor.iterator.toint()
+        self.post = _SharedRow(self.base, 0)
+        self.comb = [_SharedRow(self.base, hc + s * hc) for s in range(hc)]
+        self.pre = _SharedRow(self.base, hc + hc * hc)
+
+    def load(self, post, comb, pre, row, tid):
+        """Thread tid's slots (tid, tid + threads, ...) of each section, from global memory
+        (predicated loads: zeros past the section's end)."""
+        hc = self.hc
+        bases = [post + row * hc * F32_BYTES, comb + row * hc * hc * F32_BYTES, pre + row * hc * F32_BYTES]
+        slots = []
+        for (start, size), base in zip(self.sections, bases):
+            for first in range(0, size, self.threads):
+                index = tid + first
+                slots.append((start, index, size, ptx.ld_global_u32(base + Int64(index) * F32_BYTES, index < size)))
+        return slots
+
+    def store(self, slots, tid):
+        for start, index, size, bits in slots:
+            ptx.st_shared_u32_if(self.base + (start + index) * F32_BYTES, bits, index < size)
+
+
+class _SharedRow:
+    """Indexing reads one fp32 coefficient from shared memory."""
+
+    def __init__(self, base, start):
+        self.base, self.start = base, start
+
+    def __getitem__(self, i):
+        return ptx.ld_shared_f32(self.base + (self.start + i) * F32_BYTES)
+
+
 class _TokenMailbox:
     """Where this thread's token lives in the mailbox of the generation being consumed
     (mhc_ar.protocol), the spin's deadline, and the call tags: lane r of CTA 0's first warp
@@ -201,6 +246,9 @@ class ConsumerKernel:
         smem = SmemAllocator()
         warp_sums = smem.allocate_tensor(Float32, cute.make_layout((tiling.warps_per_cta,)), byte_alignment=16)
         cluster_sums = smem.allocate_tensor(Float32, cute.make_layout((clusters,)), byte_alignment=16)
+        shared_coefficients = None
+        if cutlass.const_expr(spec.coefficients_in_shared):
+            shared_coefficients = smem.allocate_tensor(Float32, cute.make_layout((_SharedCoefficients.count(hc),)), byte_alignment=16)
         if cutlass.const_expr(self.has_norm and clusters > 1):
             # Every CTA of the cluster must have started before any writes into its shared
             # memory; the matching wait sits right before the first remote store.
@@ -231,7 +279,12 @@ class ConsumerKernel:
         # loaded now too, so its latency hides under the generation's and the mailbox's instead
         # of following the spin.
         row = Int64(token)
-        coefficients = self._load_coefficients(post, comb, pre, row)
+        staged = None
+        if cutlass.const_expr(spec.coefficients_in_shared):
+            staged = _SharedCoefficients(hc, self.has_norm, shared_coefficients, threads)
+            slots = staged.load(post, comb, pre, row, tid)
+        else:
+            coefficients = self._load_coefficients(post, comb, pre, row)
         fragments = []  # (vector, column, valid) of each fragment this thread owns
         residual_words = []  # per fragment: hc packed vectors, residual[token, s, column]
         contributions = []  # per fragment, at tp = 1: the contribution's packed vector
@@ -248,6 +301,10 @@ class ConsumerKernel:
                                                         state_address))
             if cutlass.const_expr(spec.prefetch_residual):
                 residual_words.append(self._load_residual(residual, row, column, valid))
+        if cutlass.const_expr(spec.coefficients_in_shared):
+            # Stored only now: a store waits for its load, and the loads above go out first.
+            staged.store(slots, tid)
+            coefficients = staged
         if cutlass.const_expr(zero_padding and self.direct):
             self._zero_padding_scales(bid, tid, num_tokens, mx_scales)
         cute.arch.griddepcontrol_launch_dependents()
@@ -263,14 +320,23 @@ class ConsumerKernel:
                 received = [contributions[k]]
             else:
                 received = self._receive(box, column, valid, k == 0)
+            if cutlass.const_expr(spec.coefficients_in_shared and k == 0):
+                cute.arch.sync_threads()  # every staged coefficient is in shared memory
             y = self._reduce(received)
             if cutlass.const_expr(not spec.prefetch_residual):
                 residual_words.append(self._load_residual(residual, row, column, valid))
-            mixed = self._post_mix(y, residual_words[k], coefficients, new_residual, row, column, valid)
+            targets = self._post_mix(y, residual_words[k], coefficients, new_residual, row, column, valid)
+            if cutlass.const_expr(not spec.coefficients_in_shared):
+                targets = list(targets)  # every target first (at hc <= 4 the registers allow it)
+            # (otherwise each target is folded into the collapse as soon as it is rounded: the
+            # same operations in the same order, and no target stays live)
             if cutlass.const_expr(self.has_norm):
-                p = self._collapse(mixed, coefficients)
+                p = self._collapse(targets, coefficients)
                 sum_sq = self._sum_of_squares(p, sum_sq)
                 collapsed.append(p)
+            else:
+                for _ in targets:
+                    pass  # residual_only: the stores are all
 
         if cutlass.const_expr(self.has_norm):
             # The norm weight is needed only after the cross-CTA sum: loaded before it, so its
@@ -333,24 +399,23 @@ class ConsumerKernel:
 
     def _post_mix(self, y, residual_words, coefficients, new_residual, row, column, valid):
         """Contract step 4, per target t: a = y * post[t]; a = fma(residual[s], comb[s, t], a)
-        over s in order; new_residual[t] = bf16(a), stored. Returns the targets as fp32."""
+        over s in order; new_residual[t] = bf16(a), stored. Yields each target as fp32 (traced
+        when the caller takes it)."""
         hc, hidden = self.spec.hc, self.spec.hidden_size
         streams = [_widen(words) for words in residual_words]
-        mixed = []
         for t in range(hc):
             a = [ptx.mul_rn(y[j], coefficients.post[t]) for j in range(VECTOR_ELEMS)]
             for s in range(hc):
                 a = [ptx.fma_rn(streams[s][j], coefficients.comb[s][t], a[j]) for j in range(VECTOR_ELEMS)]
             words = _narrow(a)
             ptx.st_global_v4(new_residual + ((row * hc + t) * hidden + column) * BF16_BYTES, *words, valid)
-            mixed.append(_widen(words))
-        return mixed
+            yield _widen(words)
 
-    def _collapse(self, mixed, coefficients):
+    def _collapse(self, targets, coefficients):
         """Contract step 5: c = +0; c = fma(new_residual[t], pre[t], c) over t in order; p = bf16(c)."""
         c = [Float32(0.0)] * VECTOR_ELEMS
-        for t in range(self.spec.hc):
-            c = [ptx.fma_rn(mixed[t][j], coefficients.pre[t], c[j]) for j in range(VECTOR_ELEMS)]
+        for t, mixed in enumerate(targets):
+            c = [ptx.fma_rn(mixed[j], coefficients.pre[t], c[j]) for j in range(VECTOR_ELEMS)]
         return _widen(_narrow(c))
 
     def _sum_of_squares(self, p, sum_sq):
