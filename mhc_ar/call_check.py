@@ -44,7 +44,7 @@ class CallValidator:
         self.variant = variant
         self.device = device
 
-    # ---- validation (pure: raises ValueError, changes nothing) ------------------------------
+    # ---- validation (raises ValueError before anything is allocated or launched) -------------
 
     def check_call(self, x, mix, eps, mxfp8_out, out, tokens=None) -> Launch:
         m = check.check_tokens(x, "x", self.capacity) if tokens is None else tokens

@@ -30,9 +30,9 @@ from __future__ import annotations
 import torch
 
 from .allreduce_mhc import AllReduceMHC
-from .engine import Engine, Launches, cuda_device, variant_of
 from .compile import compile_consumer, compile_publish
 from .config import DEFAULT_SPIN_TIMEOUT_NS, VECTOR_ELEMS, Variant
+from .engine import Engine, Launches, cuda_device, variant_of
 from .residency import CoResidency, InstanceGrid, measure_footprint
 from .transport import emulated_endpoints
 

@@ -121,7 +121,7 @@ class _SharedCoefficients:
                 slots.append((start, index, size, ptx.ld_global_u32(base + Int64(index) * F32_BYTES, index < size)))
         return slots
 
-    def store(self, slots, tid):
+    def store(self, slots):
         for start, index, size, bits in slots:
             ptx.st_shared_u32_if(self.base + (start + index) * F32_BYTES, bits, index < size)
 
@@ -303,7 +303,7 @@ class ConsumerKernel:
                 residual_words.append(self._load_residual(residual, row, column, valid))
         if cutlass.const_expr(spec.coefficients_in_shared):
             # Stored only now: a store waits for its load, and the loads above go out first.
-            staged.store(slots, tid)
+            staged.store(slots)
             coefficients = staged
         if cutlass.const_expr(zero_padding and self.direct):
             self._zero_padding_scales(bid, tid, num_tokens, mx_scales)
@@ -326,17 +326,15 @@ class ConsumerKernel:
             if cutlass.const_expr(not spec.prefetch_residual):
                 residual_words.append(self._load_residual(residual, row, column, valid))
             targets = self._post_mix(y, residual_words[k], coefficients, new_residual, row, column, valid)
-            if cutlass.const_expr(not spec.coefficients_in_shared):
-                targets = list(targets)  # every target first (at hc <= 4 the registers allow it)
-            # (otherwise each target is folded into the collapse as soon as it is rounded: the
-            # same operations in the same order, and no target stays live)
+            if cutlass.const_expr(not (spec.coefficients_in_shared and self.has_norm)):
+                # Every target first (at hc <= 4 the registers allow it; residual_only stops here).
+                # With the coefficients in shared memory the collapse takes each target as soon as
+                # it is rounded instead: the same operations in the same order, none stays live.
+                targets = list(targets)
             if cutlass.const_expr(self.has_norm):
                 p = self._collapse(targets, coefficients)
                 sum_sq = self._sum_of_squares(p, sum_sq)
                 collapsed.append(p)
-            else:
-                for _ in targets:
-                    pass  # residual_only: the stores are all
 
         if cutlass.const_expr(self.has_norm):
             # The norm weight is needed only after the cross-CTA sum: loaded before it, so its

@@ -37,7 +37,6 @@ from ..protocol import (
 from .contribution import finalize_sum, load_x
 
 
-
 class PublishKernel:
     """Compile-time configuration in `__init__`, launch in `__call__`, device code in `kernel`.
 
