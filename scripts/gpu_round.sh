@@ -2,6 +2,7 @@
 # One GPU round on a device machine, every step logged under $OUT (default /tmp/mhc_out):
 #   bash scripts/gpu_round.sh [smoke] [rsqrt] [routes] [tests] [concurrent] [out-of-step] [stress] [protocol-cost] [mps] [conformance] [full-a] [full-b] [bench] [eager] [host-timing] ...
 #   [eager-overhead] [capture] [impl-unfused] [impl-mhc_ar] [bench-key] [bench-5120x4] [bench-7168x8] ...
+#   [ncu-5120x4x1024] [ncu-7168x8x1-mxfp8] ... (Nsight Compute on one TP = 1 call of H x hc x M)
 #   several GPUs: [topo] [tp-conformance] [tp-graph] [tp-bench] [missing-rank] (NGPU ranks; default all GPUs)
 # Each step runs under `timeout`, so a hung kernel costs minutes, not the whole lease.
 set -u
@@ -92,6 +93,13 @@ for step in "${steps[@]}"; do
         missing-rank) run missing-rank 120 torchrun --nproc-per-node "$NGPU" scripts/missing_rank.py --timeout 2 ;;
         # The whole sweep of one shape (the full bench may outlast one device command): bench-5120x4 ...
         bench-[0-9]*x[0-9]*) run "$step" 560 $PY -m conformance.bench --shapes "${step#bench-}" --out "$OUT/$step" ;;
+        # Nsight Compute on one TP = 1 call (the consumer alone): ncu-5120x4x1024, ncu-7168x8x1-mxfp8 ...
+        ncu-[0-9]*) spec=${step#ncu-}; shape=${spec%-mxfp8}; IFS=x read -r h c m <<<"$shape"
+                    extra=(); [ "$spec" != "$shape" ] && extra=(--mxfp8)
+                    run "$step" 300 bash -c 'ncu --clock-control none --kernel-name regex:ConsumerKernel --launch-skip 4 --launch-count 1 \
+                        --set full -f -o "$0" "${@}" >/dev/null && ncu --import "$0.ncu-rep" --page details \
+                        && ncu --import "$0.ncu-rep" --page source --print-source sass --csv >"$0.sass.csv"' \
+                        "$OUT/$step" $PY scripts/ncu_consumer.py --hidden "$h" --hc "$c" --m "$m" "${extra[@]}" ;;
         *) echo "unknown step $step"; status=1 ;;
     esac
 done

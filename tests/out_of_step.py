@@ -125,7 +125,7 @@ def launch_all(op, rank: int, prepared, stream_context, start: float):
                 try:
                     call_rank(op, c, inputs, rank, outputs)
                 except ValueError as error:
-                    print(f"rank {rank} call {k}: rejected: {error}", flush=True)
+                    _say(f"rank {rank} call {k}: rejected: {error}")
                     continue
                 raise AssertionError("the misaligned x was not rejected")
             try:
@@ -138,6 +138,14 @@ def launch_all(op, rank: int, prepared, stream_context, start: float):
                 return launched, (k, time.perf_counter() - start, "(launch) " + _first_line(error))
         launched.append((k, host, ref, done))
     return launched, None
+
+
+def _say(line: str) -> None:
+    """One line to stdout in one write(2): the two IPC rank processes (and their parent) share
+    the pipe, and with unbuffered output (PYTHONUNBUFFERED) print's text and newline are two
+    writes, so two ranks' lines were measured to interleave ("rank 0 call 1: okrank 1 call 1: ok")."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (line + "\n").encode())
 
 
 def _first_line(error: BaseException) -> str:
@@ -159,22 +167,22 @@ def check_all(rank: int, launched, start: float, last: bool = True, launch_failu
         failure = launch_failure[1:]
     for k, host, ref, _ in launched:
         if failure is not None and all(_unwritten(copy) for copy in host.values()):
-            print(f"rank {rank} ERROR at call {k} after {failure[0]:.2f} s: {failure[1]}", flush=True)
+            _say(f"rank {rank} ERROR at call {k} after {failure[0]:.2f} s: {failure[1]}")
             return False
         problem = None
         for name, want in ref.items():
             mismatch = first_mismatch(want, host[name], output=name, rank=rank)
             if mismatch is not None and problem is None:
                 problem = mismatch.describe()
-        print(f"rank {rank} call {k}: " + ("ok" if problem is None else f"WRONG {problem}"), flush=True)
+        _say(f"rank {rank} call {k}: " + ("ok" if problem is None else f"WRONG {problem}"))
     if launch_failure is not None:  # every launched call finished; the next launch raised
-        print(f"rank {rank} ERROR at call {launch_failure[0]} after {launch_failure[1]:.2f} s: {launch_failure[2]}", flush=True)
+        _say(f"rank {rank} ERROR at call {launch_failure[0]} after {launch_failure[1]:.2f} s: {launch_failure[2]}")
         return False
     if failure is not None:  # every call of this rank had finished: a peer's call failed
-        print(f"rank {rank} ERROR after its last call, {failure[0]:.2f} s: {failure[1]}", flush=True)
+        _say(f"rank {rank} ERROR after its last call, {failure[0]:.2f} s: {failure[1]}")
         return False
     if last:
-        print(f"rank {rank} DONE", flush=True)
+        _say(f"rank {rank} DONE")
     return True
 
 
@@ -227,7 +235,7 @@ def ipc_worker(rank: int, scenario: str, mode: str, mailboxes, barrier) -> None:
     try:
         _ipc_rank(rank, scenario, mode, mailboxes, barrier)
     except BaseException as error:  # printed, so the test shows it; the process still leaves
-        print(f"rank {rank} EXCEPTION {type(error).__name__}: {_first_line(error)}", flush=True)
+        _say(f"rank {rank} EXCEPTION {type(error).__name__}: {_first_line(error)}")
     sys.stdout.flush()
     os._exit(0)
 
@@ -286,12 +294,12 @@ def run_ipc(scenario: str, mode: str) -> None:
             if not w.is_alive():
                 now = time.perf_counter() - start
                 first_exit = now if first_exit is None else first_exit
-                print(f"rank {r} process exited at {now:.1f} s (exit code {w.exitcode})", flush=True)
+                _say(f"rank {r} process exited at {now:.1f} s (exit code {w.exitcode})")
                 del running[r]
         if first_exit is not None and time.perf_counter() - start > first_exit + HANG_S:
             for r, w in running.items():
                 w.kill()
-                print(f"rank {r} HUNG: no exit {HANG_S} s after its peer's", flush=True)
+                _say(f"rank {r} HUNG: no exit {HANG_S} s after its peer's")
             break
         time.sleep(0.05)
 
