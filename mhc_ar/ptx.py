@@ -369,20 +369,53 @@ def multimem_st_v4(address: Int64, w0: Uint32, w1: Uint32, w2: Uint32, w3: Uint3
 # --------------------------------------------------------------------------------------------
 
 
+# The cross-CTA sum of squares goes through an mbarrier, not a cluster barrier: a
+# `barrier.cluster.arrive` with release semantics compiles to MEMBAR.ALL.GPU, which waits for every
+# global store the thread issued before it (the new_residual stores) to complete; in Nsight
+# Compute that fence was 27% of the consumer's warp stall samples at H5120 hc4 M1024 (session 16).
+# st.async needs no fence: each 4-byte store completes on the receiving CTA's mbarrier.
+
+
 @dsl_user_op
-def st_shared_cluster_f32(shared_address: Uint32, cta_rank: Int32, value: Float32, *, loc=None, ip=None) -> None:
-    """Store `value` at the same shared-memory offset in CTA `cta_rank` of this cluster."""
-    ops = _ir([Uint32(shared_address), Int32(cta_rank), Float32(value)], loc, ip)
-    _asm(
-        None,
-        ops,
-        "{\n\t.reg .b32 remote;\n\tmapa.shared::cluster.u32 remote, $0, $1;\n\t"
-        "st.shared::cluster.f32 [remote], $2;\n\t}",
-        "r,r,f",
-        side_effects=True,
-        loc=loc,
-        ip=ip,
+def mbarrier_init_expect_tx(mbarrier: Uint32, tx_bytes: int, *, loc=None, ip=None) -> None:
+    """One thread of the CTA: initialize the mbarrier at `mbarrier` (shared, 8-byte aligned) for
+    one arrival, arrive expecting `tx_bytes` of st.async data (its phase 0 completes once they
+    have all landed), and fence the initialization for the cluster (the next cluster barrier
+    arrive publishes it to the other CTAs)."""
+    ptx = (
+        "{\n\t.reg .b64 state;\n\t"
+        "mbarrier.init.shared::cta.b64 [$0], 1;\n\t"
+        f"mbarrier.arrive.expect_tx.shared::cta.b64 state, [$0], {int(tx_bytes)};\n\t"
+        "fence.mbarrier_init.release.cluster;\n\t}"
     )
+    _asm(None, _ir([Uint32(mbarrier)], loc, ip), ptx, "r", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def st_async_cluster_f32(shared_address: Uint32, mbarrier: Uint32, cta_rank: Int32, value: Float32, *, loc=None, ip=None) -> None:
+    """Store `value` at the same shared-memory offset in CTA `cta_rank` of this cluster, completing
+    4 bytes of that CTA's mbarrier (at the same offset as `mbarrier` here)."""
+    ops = _ir([Uint32(shared_address), Uint32(mbarrier), Int32(cta_rank), Float32(value)], loc, ip)
+    ptx = (
+        "{\n\t.reg .b32 remote, remote_barrier;\n\t"
+        "mapa.shared::cluster.u32 remote, $0, $2;\n\t"
+        "mapa.shared::cluster.u32 remote_barrier, $1, $2;\n\t"
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [remote], $3, [remote_barrier];\n\t}"
+    )
+    _asm(None, ops, ptx, "r,r,r,f", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def mbarrier_phase_pending(mbarrier: Uint32, parity: int, *, loc=None, ip=None) -> Boolean:
+    """True while the mbarrier's phase of this parity has not completed (one try_wait; acquire at
+    cluster scope, so the other CTAs' st.async data is visible once it returns False)."""
+    ptx = (
+        "{\n\t.reg .pred done;\n\t"
+        f"mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [$1], {int(parity)};\n\t"
+        "selp.u32 $0, 0, 1, done;\n\t}"
+    )
+    flag = Uint32(_asm(T.i32(), _ir([Uint32(mbarrier)], loc, ip), ptx, "=r,r", side_effects=True, loc=loc, ip=ip))
+    return flag != Uint32(0)
 
 
 @dsl_user_op

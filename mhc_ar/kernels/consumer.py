@@ -246,12 +246,17 @@ class ConsumerKernel:
         smem = SmemAllocator()
         warp_sums = smem.allocate_tensor(Float32, cute.make_layout((tiling.warps_per_cta,)), byte_alignment=16)
         cluster_sums = smem.allocate_tensor(Float32, cute.make_layout((clusters,)), byte_alignment=16)
+        sums_landed = smem.allocate_tensor(Int64, cute.make_layout((1,)), byte_alignment=8)  # an mbarrier
         shared_coefficients = None
         if cutlass.const_expr(spec.coefficients_in_shared):
             shared_coefficients = smem.allocate_tensor(Float32, cute.make_layout((_SharedCoefficients.count(hc),)), byte_alignment=16)
         if cutlass.const_expr(self.has_norm and clusters > 1):
-            # Every CTA of the cluster must have started before any writes into its shared
-            # memory; the matching wait sits right before the first remote store.
+            # The cluster's CTA sums arrive by st.async on this mbarrier (see _inverse_rms): one
+            # 4-byte sum from each CTA. Every CTA of the cluster must have started, and initialized
+            # its mbarrier, before any store into its shared memory: the matching wait sits right
+            # before the first remote store.
+            if tid == 0:
+                ptx.mbarrier_init_expect_tx(sums_landed.iterator.toint(), clusters * F32_BYTES)
             cute.arch.cluster_arrive_relaxed()
 
         zero_padding = self.has_mxfp8 and "padding_scales" not in spec.omit
@@ -341,7 +346,7 @@ class ConsumerKernel:
             # latency hides under the cluster barriers (not before the spin: at tp = 8, hc = 4
             # its registers would spill).
             weight_words = [ptx.ld_global_v4(norm_weight + column * BF16_BYTES, valid) for _, column, valid in fragments]
-            inv = self._inverse_rms(sum_sq, eps, lane, warp, cta, warp_sums, cluster_sums)
+            inv = self._inverse_rms(sum_sq, eps, lane, warp, cta, warp_sums, cluster_sums, sums_landed)
             for f in cutlass.range_constexpr(len(fragments)):
                 vector, column, valid = fragments[f]
                 out = self._rms_norm(collapsed[f], inv, weight_words[f], layer_input, row, column, valid)
@@ -474,9 +479,11 @@ class ConsumerKernel:
     # ------------------------------------------------------------------------------------------
 
     @cute.jit
-    def _inverse_rms(self, sum_sq, eps, lane, warp, cta, warp_sums, cluster_sums):
+    def _inverse_rms(self, sum_sq, eps, lane, warp, cta, warp_sums, cluster_sums, sums_landed):
         """Contract step 6's tree: warp butterfly, warps in order, CTAs in order; then
-        rsqrt.approx(ss / H + eps)."""
+        rsqrt.approx(ss / H + eps). Across the cluster each CTA's sum goes by st.async into slot
+        [cta] of every CTA, completing on that CTA's `sums_landed` mbarrier: no release fence, so
+        no wait here for this thread's earlier global stores (mhc_ar.ptx, the st.async helpers)."""
         tiling = self.tiling
         for step in cutlass.range_constexpr(_BUTTERFLY_STEPS):
             offset = (WARP_SIZE // 2) >> step  # 16, 8, 4, 2, 1
@@ -492,11 +499,12 @@ class ConsumerKernel:
         if cutlass.const_expr(tiling.cluster_size > 1):
             cute.arch.cluster_wait()  # pairs with the arrive at kernel start: all CTAs running
             tid, _, _ = cute.arch.thread_idx()
+            barrier = sums_landed.iterator.toint()
             if tid < tiling.cluster_size:
                 # Thread d writes this CTA's sum into slot [cta] of CTA d.
-                ptx.st_shared_cluster_f32((cluster_sums.iterator + cta).toint(), tid, cta_sum)
-            cute.arch.cluster_arrive()  # release: the remote stores above
-            cute.arch.cluster_wait()  # acquire: every CTA's stores into this CTA
+                ptx.st_async_cluster_f32((cluster_sums.iterator + cta).toint(), barrier, tid, cta_sum)
+            while ptx.mbarrier_phase_pending(barrier, 0):  # every CTA's sum has landed here
+                pass
             for c in cutlass.range_constexpr(tiling.cluster_size):
                 total = ptx.add_rn(total, ptx.ld_shared_f32((cluster_sums.iterator + c).toint()))
         else:
