@@ -419,6 +419,22 @@ def _loads_before_arithmetic(kernel: _Kernel, expected: int) -> PtxCheck:
     return PtxCheck(name, len(early) == expected, f"found {len(early)} ld.global.v4.b32 before line {kernel.instructions[first].line}")
 
 
+def _no_release_fence(kernel: _Kernel) -> PtxCheck:
+    """No fence that waits for the thread's earlier global stores: the cross-CTA sums go by
+    st.async on an mbarrier (mhc_ar.ptx). A `barrier.cluster.arrive` with release semantics (the
+    default) compiles to MEMBAR.ALL.GPU; on the H200 that fence was the top stall of the consumer
+    at M = 1024 (notes/device-log.md, session 16). `fence.mbarrier_init` is allowed: it is issued
+    once, before any store."""
+    def is_fence(i: Instruction) -> bool:
+        if i.opcode.startswith("barrier.cluster.arrive"):
+            return ".relaxed" not in i.opcode
+        return i.opcode.startswith("membar") or (i.opcode.startswith("fence") and not i.opcode.startswith("fence.mbarrier_init"))
+
+    found = kernel.matching(is_fence)
+    return PtxCheck("no release fence", not found,
+                    "; ".join(f"line {i.line}: {i.opcode}" for i in found[:3]) or "none (cross-CTA sums by st.async on an mbarrier)")
+
+
 def check_consumer_ptx(ptx: str, variant: Variant, prefetched_loads: int | None = None, *, direct: Contribution | None = None,
                        top_k: int = 0, fragments: int = 1, predicated: bool = False) -> list[PtxCheck]:
     """The consumer's checks; `prefetched_loads` (hc x fragments per thread, or 0 where the
@@ -451,6 +467,7 @@ def check_consumer_ptx(ptx: str, variant: Variant, prefetched_loads: int | None 
     checks += [
         _griddepcontrol_first(kernel),
         _consumer_stores_before_wait(kernel, variant, direct is not None),
+        _no_release_fence(kernel),
         _present(kernel, "cvt.rn.bf16x2.f32", "one rounding to bf16 per stage"),
     ]
     if direct is not None:

@@ -86,6 +86,11 @@ CONSUMER_DOCTORINGS = [
     ("spin loops never trap", "residual_only", "@late trap;", "@late exit;", "one spin deadline, every spin loop can trap"),
     ("tag mismatch does not trap", "full", "@p trap;", "@p exit;", "call tags compared, mismatch traps"),
     ("rank 0's tag not broadcast", "mxfp8", "shfl.sync.idx", "shfl.sync.bfly", "call tags compared, mismatch traps"),
+    # The cross-CTA sums through a release cluster barrier (MEMBAR.ALL.GPU: it waits for the
+    # output stores) instead of st.async on an mbarrier, or a fence of its own.
+    ("release cluster barrier", "full", "barrier.cluster.wait;", "barrier.cluster.arrive;\n\tbarrier.cluster.wait;", "no release fence"),
+    ("a gpu fence", "mxfp8", "griddepcontrol.launch_dependents;", "griddepcontrol.launch_dependents;\n\tfence.acq_rel.gpu;",
+     "no release fence"),
 ]
 
 
