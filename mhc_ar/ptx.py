@@ -115,6 +115,71 @@ def f32x2_to_bf16x2_rn(low: Float32, high: Float32, *, loc=None, ip=None) -> Uin
 
 
 # --------------------------------------------------------------------------------------------
+# MXFP8 (contract step 7), per block of 32 bf16 values; 8 per thread
+# --------------------------------------------------------------------------------------------
+
+
+@dsl_user_op
+def bf16x2_max_to_f32(word: Uint32, *, loc=None, ip=None) -> Float32:
+    """max.f32 of the word's two bf16 lanes, widened exactly (a NaN lane gives the other one)."""
+    ptx = "{\n\t.reg .b32 lo, hi;\n\tshl.b32 lo, $1, 16;\n\tand.b32 hi, $1, 0xFFFF0000;\n\tmax.f32 $0, lo, hi;\n\t}"
+    return Float32(_asm(T.f32(), _ir([Uint32(word)], loc, ip), ptx, "=f,r", side_effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def ue8m0_scale_and_inverse(nm: Float32, *, loc=None, ip=None):
+    """The block's scale byte e and inverse scale from nm = amax * fp32(1/448) >= 0 or NaN, by the
+    contract's bit rule: e = min(biased exponent of nm, rounded up when its mantissa is nonzero,
+    254), 0 for nm <= 2^-127 (bits <= 0x400000: zero and the subnormals that round down); Inf and
+    NaN give 254. inv = 2^(127 - e) as bits (254 - e) << 23, which is 0 at e = 254; 0 at e = 0.
+    (bits + 0x7FFFFF) >> 23 is the exponent plus one exactly when the mantissa is nonzero. nm is
+    never negative: amax is a maximum of magnitudes, and NaN arithmetic gives the canonical,
+    positive NaN 0x7FFFFFFF."""
+    ptx = (
+        "{\n\t.reg .pred small;\n\t.reg .b32 bits, e, inv;\n\t"
+        "mov.b32 bits, $2;\n\t"
+        "setp.le.s32 small, bits, 0x400000;\n\t"
+        "add.u32 e, bits, 0x7FFFFF;\n\t"
+        "shr.u32 e, e, 23;\n\t"
+        "min.u32 e, e, 254;\n\t"
+        "selp.b32 e, 0, e, small;\n\t"
+        "sub.u32 inv, 254, e;\n\t"
+        "shl.b32 inv, inv, 23;\n\t"
+        "selp.b32 inv, 0, inv, small;\n\t"
+        "mov.b32 $0, e;\n\tmov.b32 $1, inv;\n\t}"
+    )
+    struct = _asm(
+        llvm.StructType.get_literal([T.i32(), T.f32()]), _ir([Float32(nm)], loc, ip), ptx, "=r,=f,f",
+        side_effects=False, loc=loc, ip=ip,
+    )
+    scale, inverse = (llvm.extractvalue(t, struct, [i], loc=loc, ip=ip) for i, t in enumerate((T.i32(), T.f32())))
+    return Uint32(scale), Float32(inverse)
+
+
+@dsl_user_op
+def bf16x8_to_e4m3x8(w0: Uint32, w1: Uint32, w2: Uint32, w3: Uint32, inv: Float32, *, loc=None, ip=None) -> Uint64:
+    """Eight bf16 values (four packed words, low lane first) -> eight e4m3 bytes in one 64-bit
+    word, byte j = value j: the bytes of e4m3_rn_satfinite(clamp(v * inv, -448, 448)) with NaN
+    becoming +448. Only the upper clamp is spelled: min.f32 returns the non-NaN operand, so NaN
+    (a NaN v, or Inf * 0 when inv is 0) becomes 448. The lower one cannot act: |v| <= amax and
+    amax * inv <= 448 (1 + 2^-22) by the scale rule (nm = amax * fp32(1/448) rounded, inv the
+    inverse of a power of two >= nm), and e4m3 rounds everything in [448, 464) to 448; at inv = 0
+    the finite products are +-0."""
+    lines = ["{", ".reg .b32 v<8>;", ".reg .b16 q<4>;"]
+    for w in range(4):
+        lines += [f"shl.b32 v{2 * w}, ${w + 1}, 16;", f"and.b32 v{2 * w + 1}, ${w + 1}, 0xFFFF0000;"]
+    for j in range(8):
+        lines += [f"mul.rn.f32 v{j}, v{j}, $5;", f"min.f32 v{j}, v{j}, 0f43E00000;"]
+    for w in range(4):
+        # cvt ... d, a, b puts a in the upper byte and b in the lower one.
+        lines.append(f"cvt.rn.satfinite.e4m3x2.f32 q{w}, v{2 * w + 1}, v{2 * w};")
+    lines += ["mov.b64 $0, {q0, q1, q2, q3};", "}"]
+    ptx = "\n\t".join(lines)
+    ops = _ir([Uint32(w0), Uint32(w1), Uint32(w2), Uint32(w3), Float32(inv)], loc, ip)
+    return Uint64(_asm(T.i64(), ops, ptx, "=l,r,r,r,r,f", side_effects=False, loc=loc, ip=ip))
+
+
+# --------------------------------------------------------------------------------------------
 # Lamport sentinel handling (bitwise, never a float compare)
 # --------------------------------------------------------------------------------------------
 
