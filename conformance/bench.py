@@ -112,6 +112,20 @@ def _best_copy_us(nbytes: int, trials: int) -> dict:
     return best
 
 
+def same_bytes_copy_us(nbytes: int, device: str = "cuda") -> float:
+    """The x * 1 kernel of COPY_METHODS, graph-timed like the fused call, reading nbytes // 2 and
+    writing as many (cycling buffer pairs as the fused call cycles its input sets, so a replay
+    spills L2 when the size is large): what a kernel doing nothing but move a fused row's bytes
+    takes at that size, launch and memory latency included. At TP = 1 (full variant) the fused
+    call reads x and the residual and writes new_residual and layer_input: M*H*2*(1 + hc) bytes
+    each way, fused_bytes // 2."""
+    words = nbytes // 2 // 4
+    count = max(1, min(MAX_INPUT_SETS, math.ceil(L2_SPILL_BYTES / max(1, nbytes))))
+    pairs = [(torch.empty(words, dtype=torch.int32, device=device).random_(0, 1 << 30), torch.empty(words, dtype=torch.int32, device=device))
+             for _ in range(count)]
+    return graph_time_us([lambda src=src, dst=dst: torch.mul(src, 1, out=dst) for src, dst in pairs])
+
+
 def _stream_time_us(call, repeats: int = 5) -> float:
     """Median of `repeats` event-timed calls launched on the stream (no graph)."""
     call()
@@ -291,6 +305,7 @@ class Row:
     consumer_gbs: float | None = None  # TP=1 rows: consumer_bytes / fused time
     fused_bytes: int = 0  # FUSED_BYTES_FORMULA
     fused_ceiling_fraction: float | None = None  # fused_bytes / fused time, over the copy ceiling
+    same_bytes_copy_us: float | None = None  # TP=1 rows: same_bytes_copy_us(fused_bytes)
     consumer_us: float | None = None  # TP rows: the consumer per rank, (fused - publish) / tp
     consumer_ceiling_fraction: float | None = None  # TP rows: consumer_bytes / consumer_us, over the copy ceiling
 
@@ -353,6 +368,7 @@ def measure_tp1(hidden: int, hc: int, ms, ops, compiled: bool = True, copy_ceili
         row.consumer_gbs = _gbs(row.consumer_bytes, row.fused_us)
         row.fused_bytes = fused_bytes(1, m, hidden, hc, False)
         row.fused_ceiling_fraction = _gbs(row.fused_bytes, row.fused_us) / copy_ceiling_gbs
+        row.same_bytes_copy_us = same_bytes_copy_us(row.fused_bytes)
         rows.append(row)
         print(_format_row(row), flush=True)
         # Gone before the next M's are made: at M=8192, H=7168, hc=8 one residual is 940 MB, and
@@ -528,7 +544,8 @@ def _format_row(row: Row) -> str:
         f"unfused {f(row.unfused_us)} us (x{ratio:.1f}), unfused+quant {f(row.unfused_mxfp8_us)} us, "
         f"compiled {f(row.compiled_us)} us, compiled+quant {f(row.compiled_mxfp8_us)} us, "
         f"full+quant {f(row.full_plus_quant_us)} us, consumer {f(row.consumer_gbs)} GB/s, "
-        f"fused bytes {row.fused_bytes} at {_percent(row.fused_ceiling_fraction)} of the copy ceiling"
+        f"fused bytes {row.fused_bytes} at {_percent(row.fused_ceiling_fraction)} of the copy ceiling, "
+        f"a copy of the same bytes {f(row.same_bytes_copy_us)} us"
     )
 
 
@@ -655,8 +672,11 @@ def _issue13_targets(result: BenchResult) -> list[tuple[str, bool, str]]:
             longest = max(tiny, key=lambda r: r.fused_us)
             worst = max(tiny, key=lambda r: r.fused_us / r.compiled_us)
             ok = longest.fused_us <= SMALL_M_TP1_FUSED_US and worst.fused_us <= 0.5 * worst.compiled_us
+            floor = ""
+            if longest.same_bytes_copy_us is not None:  # why it takes what it takes: the bytes alone
+                floor = f" (a copy of the same {longest.fused_bytes} bytes: {longest.same_bytes_copy_us:.2f} us)"
             checks.append((f"TP=1, M<={SMALL_M}: fused <= {SMALL_M_TP1_FUSED_US:.1f} us and <= 0.5x compiled", ok,
-                           f"slowest {_row_name(longest)}: {longest.fused_us:.2f} us; "
+                           f"slowest {_row_name(longest)}: {longest.fused_us:.2f} us{floor}; "
                            f"worst ratio {_row_name(worst)}: x{worst.fused_us / worst.compiled_us:.2f} of compiled"))
     if result.rows:
         worst = max(result.rows, key=lambda r: r.fused_mxfp8_us / r.fused_us)
@@ -719,11 +739,29 @@ def _eager_table(eager_us: dict) -> str:
     return f"<table><tr><th>M</th>{head}</tr>{rows}</table>"
 
 
-def write_report(result: BenchResult, out: Path) -> None:
+def load_result(path: Path) -> BenchResult:
+    """A BenchResult from a bench.json that write_report wrote (its saved target verdicts are
+    dropped: rendering decides them again from the figures). Fields added since are left at
+    their defaults (e.g. same_bytes_copy_us: None, shown as not measured)."""
+    saved = json.loads(Path(path).read_text())
+    saved.pop("targets", None)
+    saved["rows"] = [Row(**r) for r in saved.get("rows", [])]
+    saved["tp_rows"] = [Row(**r) for r in saved.get("tp_rows", [])]
+    return BenchResult(**saved)
+
+
+def write_report(result: BenchResult, out: Path, *, rendered_from: Path | None = None) -> None:
+    """bench.json (the figures and the target verdicts) and bench.html into `out`; with
+    `rendered_from` (a saved bench.json re-rendered without a GPU) only bench.html, saying so."""
+    out.mkdir(parents=True, exist_ok=True)
+    if rendered_from is None:
+        (out / "bench.json").write_text(json.dumps(asdict(result) | {"targets": targets(result)}, indent=1))
+    (out / "bench.html").write_text(_html(result, rendered_from))
+
+
+def _html(result: BenchResult, rendered_from: Path | None) -> str:
     from .plots import line_plot_svg
 
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps(asdict(result) | {"targets": targets(result)}, indent=1))
     series = {}
     for r in result.rows:  # one fused, eager unfused and torch.compile series per (H, hc)
         shape = f"H{r.hidden} hc{r.hc}"
@@ -731,13 +769,16 @@ def write_report(result: BenchResult, out: Path) -> None:
         series.setdefault(f"eager unfused {shape}", []).append((r.m, r.unfused_us))
         if r.compiled_us is not None:
             series.setdefault(f"torch.compile {shape}", []).append((r.m, r.compiled_us))
+        if r.same_bytes_copy_us is not None:
+            series.setdefault(f"same-bytes copy {shape}", []).append((r.m, r.same_bytes_copy_us))
     svg = line_plot_svg(series, x_label="M (tokens)", y_label="us per call", log_x=True, log_y=True)
     rows = "".join(
         f"<tr><td>{r.hidden}</td><td>{r.hc}</td><td>{r.m}</td><td>{r.fused_us:.2f}</td><td>{r.fused_mxfp8_us:.2f}</td><td>{_us(r.publish_us)}</td>"
         f"<td>{r.unfused_us:.2f}</td><td>{r.unfused_mxfp8_us:.2f}</td><td>{_us(r.compiled_us)}</td><td>{_us(r.compiled_mxfp8_us)}</td>"
         f"<td>{r.full_plus_quant_us:.2f}</td>"
         f"<td>{r.unfused_us / r.fused_us:.1f}</td><td>{'' if r.consumer_gbs is None else f'{r.consumer_gbs:.0f}'}</td>"
-        f"<td>{_percent(r.fused_ceiling_fraction)}</td></tr>"
+        f"<td>{_percent(r.fused_ceiling_fraction)}</td><td>{_us(r.same_bytes_copy_us)}</td>"
+        f"<td>{'-' if r.same_bytes_copy_us is None else f'{r.fused_us / r.same_bytes_copy_us:.2f}'}</td></tr>"
         for r in result.rows
     )
     tp_rows = "".join(
@@ -758,13 +799,18 @@ def write_report(result: BenchResult, out: Path) -> None:
     html = f"""<!doctype html><html><head><meta charset="utf-8"><title>mhc-ar bench</title>
 <style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:2px 6px;text-align:right}}
 tr.pass td{{background:#dfd}}tr.fail td{{background:#fdd}}</style></head><body>
-<h1>mhc-ar benchmark</h1><p>{result.device}; device copy bandwidth {result.copy_gbs:.0f} GB/s (read + write, the best of {COPY_CEILING_TRIALS} copies of {COPY_CEILING_BYTES >> 30} GiB each way: {html_escape(", ".join(f"{m} {v:.0f}" for m, v in result.copy_methods_gbs.items()))});
+<h1>mhc-ar benchmark</h1>{_rendered_note(rendered_from)}<p>{result.device}; device copy bandwidth {result.copy_gbs:.0f} GB/s (read + write, the best of {COPY_CEILING_TRIALS} copies of {COPY_CEILING_BYTES >> 30} GiB each way: {html_escape(", ".join(f"{m} {v:.0f}" for m, v in result.copy_methods_gbs.items()))});
 every time is the median per call of {REPEATS} replays of a CUDA graph of {CALLS_PER_GRAPH} calls; total {result.seconds:.0f} s.</p>
 <h2>Targets</h2><table><tr><th>target</th><th>result</th><th>measured</th></tr>{target_rows}</table>
 <h2>Latency vs M (TP=1, each (H, hc))</h2>{svg}
 <table><tr><th>H</th><th>hc</th><th>M</th><th>fused us</th><th>fused MXFP8 us</th><th>publish us</th><th>unfused us</th><th>unfused+quant us</th>
 <th>compiled us</th><th>compiled+quant us</th>
-<th>fused full + quantize us</th><th>speed-up</th><th>consumer bytes / fused time, GB/s</th><th>fused bytes / fused time, of the copy ceiling</th></tr>{rows}</table>
+<th>fused full + quantize us</th><th>speed-up</th><th>consumer bytes / fused time, GB/s</th><th>fused bytes / fused time, of the copy ceiling</th>
+<th>copy of the same bytes us</th><th>fused / copy of the same bytes</th></tr>{rows}</table>
+<p>A copy of the same bytes: an x * 1 kernel in a graph, timed like the fused call, reading half the fused bytes and writing
+as many (at TP=1 the full variant reads x and the residual and writes new_residual and layer_input: M*H*2*(1 + hc) bytes each
+way). What moving those bytes alone takes at that size, launch and memory latency included: at small M the floor under the fused
+time.</p>
 <h2>MXFP8 cost, stage by stage (us per call; builds that leave a stage out break the contract: diagnosis only)</h2>
 <table><tr><th>H</th><th>hc</th><th>M</th>{"".join(f"<th>{html_escape(b)}</th>" for b in builds)}</tr>{diagnosis_rows}</table>
 <h2>Emulated TP (consumer per rank = (all ranks - publishes) / tp; its bytes per consumer_bytes)</h2>
@@ -772,7 +818,14 @@ every time is the median per call of {REPEATS} replays of a CUDA graph of {CALLS
 <th>consumer bytes / consumer time, of the copy ceiling</th></tr>{tp_rows}</table>
 <h2>Eager __call__ latency (H={detail_hidden}, hc={detail_hc}, TP=1, host wall time per call, us)</h2>
 <p>{html_escape(result.eager_api)}</p>{_eager_table(result.eager_us)}</body></html>"""
-    (out / "bench.html").write_text(html)
+    return html
+
+
+def _rendered_note(rendered_from: Path | None) -> str:
+    if rendered_from is None:
+        return ""
+    return (f"<p><b>Re-rendered from {html_escape(str(rendered_from))}</b> by this version of the bench, without a GPU: the "
+            "figures are that run's; the targets are judged again from them; columns it did not measure show -.</p>")
 
 
 def main(argv=None) -> int:
@@ -790,11 +843,15 @@ def main(argv=None) -> int:
                         help=f"emulated TP sizes for the consumer sweep at M {','.join(map(str, TP_M_SWEEP))}, "
                              f"H={DETAIL_SHAPE[0]}, hc={DETAIL_SHAPE[1]} ('' for none)")
     parser.add_argument("--no-compiled", action="store_true", help="leave the torch.compile chain out (it compiles once per shape)")
+    parser.add_argument("--render", default=None, metavar="BENCH_JSON",
+                        help="measure nothing: write bench.html from a saved bench.json into --out (no GPU needed)")
     args = parser.parse_args(argv)
     try:
         shapes = parse_shapes(args.shapes, args.hidden, args.hc)
     except ValueError as error:
         parser.error(str(error))
+    if args.render is not None:
+        return _render(Path(args.render), Path(args.out) if args.out else Path("reports") / time.strftime("bench-render-%Y%m%d-%H%M%S"))
     if not torch.cuda.is_available():
         print("bench needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -806,6 +863,19 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else Path("reports") / time.strftime("bench-%Y%m%d-%H%M%S")
     write_report(result, out)
     print(f"\nbench: {len(result.rows)} TP=1 rows ({format_shapes(shapes)}), {len(result.tp_rows)} TP rows in {result.seconds:.0f} s -> {out}/bench.html")
+    for name, ok, figure in targets(result):
+        print(f"  [{'met' if ok else 'MISSED'}] {name}: {figure}")
+    return 0
+
+
+def _render(source: Path, out: Path) -> int:
+    try:
+        result = load_result(source)
+    except (OSError, ValueError, TypeError, AttributeError) as error:  # missing, not JSON, or not a bench.json
+        print(f"--render: cannot read a bench result from {source}: {type(error).__name__}: {error}", file=sys.stderr)
+        return 2
+    write_report(result, out, rendered_from=source)
+    print(f"bench: {source} re-rendered -> {out}/bench.html")
     for name, ok, figure in targets(result):
         print(f"  [{'met' if ok else 'MISSED'}] {name}: {figure}")
     return 0

@@ -263,3 +263,87 @@ def test_fused_bytes_count_every_stream_once():
     # tp=1 is one kernel reading x in place: x 48, residual in 96, new_residual out 96,
     # layer_input out 48; no mailbox traffic.
     assert fused_bytes(1, 3, 8, 2, False) == 48 + 96 + 96 + 48 == 288
+
+
+def test_the_small_m_target_names_a_copy_of_the_same_bytes_when_measured():
+    result = _result()
+    row = _row(result, 7168, 8, 16)
+    row.fused_us, row.compiled_us, row.same_bytes_copy_us = 3.01, 24.0, 2.40
+    assert _missed(result) == {
+        ISSUE_13[2]: f"slowest H7168 hc8 M16: 3.01 us (a copy of the same {row.fused_bytes} bytes: 2.40 us); "
+                     "worst ratio H5120 hc4 M1: x0.40 of compiled"}
+    row.fused_us = 2.9  # met now: the figure still says what the bytes alone took
+    assert _missed(result) == {}
+    assert dict((n, f) for n, _, f in targets(result))[ISSUE_13[2]].startswith(
+        f"slowest H7168 hc8 M16: 2.90 us (a copy of the same {row.fused_bytes} bytes: 2.40 us)")
+
+
+def test_the_same_bytes_copy_reads_half_and_writes_half(monkeypatch):
+    """On the CPU (the GPU run must not be its first): each call copies one buffer pair of
+    nbytes / 2 bytes, bit for bit; pairs cycle until a replay spills L2, at most MAX_INPUT_SETS."""
+    seen = []
+
+    def run_each_once(calls, **kw):
+        seen.append(len(calls))
+        for call in calls:
+            call()
+        return 1.25
+
+    pairs = []
+    real_empty = torch.empty
+    monkeypatch.setattr(bench.torch, "empty", lambda *a, **kw: pairs.append(real_empty(*a, **kw)) or pairs[-1])
+    monkeypatch.setattr(bench, "graph_time_us", run_each_once)
+    nbytes = 2 * 16 * 7168 * 2 * (1 + 8)  # fused_bytes at TP=1, H7168 hc8 M16
+    assert bench.fused_bytes(1, 16, 7168, 8, False) == nbytes
+    assert bench.same_bytes_copy_us(nbytes, device="cpu") == 1.25
+    count = -(-bench.L2_SPILL_BYTES // nbytes)
+    assert seen == [min(bench.MAX_INPUT_SETS, count)] and len(pairs) == 2 * seen[0]
+    for src, dst in zip(pairs[::2], pairs[1::2]):
+        assert src.dtype == dst.dtype == torch.int32 and src.numel() * 4 == dst.numel() * 4 == nbytes // 2
+        assert torch.equal(src, dst) and src.any()
+    pairs.clear(), seen.clear()
+    bench.same_bytes_copy_us(bench.L2_SPILL_BYTES * 3, device="cpu")
+    assert seen == [1]
+
+
+def test_report_shows_the_same_bytes_copy_column_and_series(tmp_path):
+    result = _result()
+    row = _row(result, 7168, 8, 16)
+    row.same_bytes_copy_us = 2.0  # fused 2.5 us: 1.25x of it
+    write_report(result, tmp_path)
+    html = (tmp_path / "bench.html").read_text()
+    assert "<th>copy of the same bytes us</th><th>fused / copy of the same bytes</th>" in html
+    assert "<td>90.0%</td><td>2.00</td><td>1.25</td></tr>" in html
+    assert "<td>90.0%</td><td>-</td><td>-</td></tr>" in html  # rows not measured
+    assert ">same-bytes copy H7168 hc8</text>" in html and ">same-bytes copy H5120 hc4</text>" not in html
+    assert json.loads((tmp_path / "bench.json").read_text())["rows"][-3]["same_bytes_copy_us"] == 2.0
+
+
+def test_render_rebuilds_the_report_from_a_saved_bench_json(tmp_path, monkeypatch, capsys):
+    result = _result()
+    _row(result, 7168, 8, 8192).fused_mxfp8_us = 400.0  # missed, as saved
+    write_report(result, tmp_path / "run")
+    saved = json.loads((tmp_path / "run" / "bench.json").read_text())
+    loaded = bench.load_result(tmp_path / "run" / "bench.json")
+    assert loaded == result and targets(loaded) == [tuple(t) for t in saved["targets"]]
+    # A bench.json from before a Row field existed loads with that field at its default.
+    del saved["rows"][0]["same_bytes_copy_us"]
+    (tmp_path / "old.json").write_text(json.dumps(saved))
+    assert bench.load_result(tmp_path / "old.json").rows[0].same_bytes_copy_us is None
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # no GPU needed
+    assert bench.main(["--render", str(tmp_path / "old.json"), "--out", str(tmp_path / "html")]) == 0
+    printed = capsys.readouterr().out
+    assert f"[MISSED] {ISSUE_13[3]}: max +25.0% (H7168 hc8 M8192: 400.00 us vs 320.00 us)" in printed
+    assert sorted(p.name for p in (tmp_path / "html").iterdir()) == ["bench.html"]
+    html = (tmp_path / "html" / "bench.html").read_text()
+    assert f"Re-rendered from {tmp_path / 'old.json'}" in html
+    assert html.replace(f"<p><b>Re-rendered from {tmp_path / 'old.json'}</b>", "<p><b>Re-rendered from X</b>") == \
+        (tmp_path / "run" / "bench.html").read_text().replace("<h1>mhc-ar benchmark</h1>", "<h1>mhc-ar benchmark</h1>" + bench._rendered_note("X"))
+
+    (tmp_path / "bad.json").write_text('{"rows": [{"m": 1}]}')
+    (tmp_path / "list.json").write_text("[]")
+    for source in (tmp_path / "missing.json", tmp_path / "bad.json", tmp_path / "list.json"):
+        assert bench.main(["--render", str(source), "--out", str(tmp_path / "bad")]) == 2
+        assert f"--render: cannot read a bench result from {source}" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
