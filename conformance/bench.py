@@ -112,18 +112,17 @@ def _best_copy_us(nbytes: int, trials: int) -> dict:
     return best
 
 
-def same_bytes_copy_us(nbytes: int, device: str = "cuda") -> float:
+def same_bytes_copy_us(nbytes: int, pairs: int, device: str = "cuda") -> float:
     """The x * 1 kernel of COPY_METHODS, graph-timed like the fused call, reading nbytes // 2 and
-    writing as many (cycling buffer pairs as the fused call cycles its input sets, so a replay
-    spills L2 when the size is large): what a kernel doing nothing but move a fused row's bytes
-    takes at that size, launch and memory latency included. At TP = 1 (full variant) the fused
-    call reads x and the residual and writes new_residual and layer_input: M*H*2*(1 + hc) bytes
-    each way, fused_bytes // 2."""
+    writing as many, cycling `pairs` buffer pairs (pass the number of input sets the fused row
+    cycled, so both sides find as much of their data in L2): what a kernel doing nothing but move
+    a fused row's bytes takes at that size, launch and memory latency included. At TP = 1 (full
+    variant) the fused call reads x and the residual and writes new_residual and layer_input:
+    M*H*2*(1 + hc) bytes each way, fused_bytes // 2."""
     words = nbytes // 2 // 4
-    count = max(1, min(MAX_INPUT_SETS, math.ceil(L2_SPILL_BYTES / max(1, nbytes))))
-    pairs = [(torch.empty(words, dtype=torch.int32, device=device).random_(0, 1 << 30), torch.empty(words, dtype=torch.int32, device=device))
-             for _ in range(count)]
-    return graph_time_us([lambda src=src, dst=dst: torch.mul(src, 1, out=dst) for src, dst in pairs])
+    buffers = [(torch.empty(words, dtype=torch.int32, device=device).random_(0, 1 << 30), torch.empty(words, dtype=torch.int32, device=device))
+               for _ in range(pairs)]
+    return graph_time_us([lambda src=src, dst=dst: torch.mul(src, 1, out=dst) for src, dst in buffers])
 
 
 def _stream_time_us(call, repeats: int = 5) -> float:
@@ -368,7 +367,7 @@ def measure_tp1(hidden: int, hc: int, ms, ops, compiled: bool = True, copy_ceili
         row.consumer_gbs = _gbs(row.consumer_bytes, row.fused_us)
         row.fused_bytes = fused_bytes(1, m, hidden, hc, False)
         row.fused_ceiling_fraction = _gbs(row.fused_bytes, row.fused_us) / copy_ceiling_gbs
-        row.same_bytes_copy_us = same_bytes_copy_us(row.fused_bytes)
+        row.same_bytes_copy_us = same_bytes_copy_us(row.fused_bytes, pairs=len(sets))
         rows.append(row)
         print(_format_row(row), flush=True)
         # Gone before the next M's are made: at M=8192, H=7168, hc=8 one residual is 940 MB, and

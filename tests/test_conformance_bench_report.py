@@ -279,31 +279,27 @@ def test_the_small_m_target_names_a_copy_of_the_same_bytes_when_measured():
 
 
 def test_the_same_bytes_copy_reads_half_and_writes_half(monkeypatch):
-    """On the CPU (the GPU run must not be its first): each call copies one buffer pair of
-    nbytes / 2 bytes, bit for bit; pairs cycle until a replay spills L2, at most MAX_INPUT_SETS."""
-    seen = []
+    """On the CPU (the GPU run must not be its first): each call copies one of `pairs` buffer
+    pairs of nbytes / 2 bytes, bit for bit, and the calls cycle through them."""
+    timed = []
 
     def run_each_once(calls, **kw):
-        seen.append(len(calls))
+        timed.append(len(calls))
         for call in calls:
             call()
         return 1.25
 
-    pairs = []
+    made = []
     real_empty = torch.empty
-    monkeypatch.setattr(bench.torch, "empty", lambda *a, **kw: pairs.append(real_empty(*a, **kw)) or pairs[-1])
+    monkeypatch.setattr(bench.torch, "empty", lambda *a, **kw: made.append(real_empty(*a, **kw)) or made[-1])
     monkeypatch.setattr(bench, "graph_time_us", run_each_once)
     nbytes = 2 * 16 * 7168 * 2 * (1 + 8)  # fused_bytes at TP=1, H7168 hc8 M16
     assert bench.fused_bytes(1, 16, 7168, 8, False) == nbytes
-    assert bench.same_bytes_copy_us(nbytes, device="cpu") == 1.25
-    count = -(-bench.L2_SPILL_BYTES // nbytes)
-    assert seen == [min(bench.MAX_INPUT_SETS, count)] and len(pairs) == 2 * seen[0]
-    for src, dst in zip(pairs[::2], pairs[1::2]):
+    assert bench.same_bytes_copy_us(nbytes, pairs=3, device="cpu") == 1.25
+    assert timed == [3] and len(made) == 6
+    for src, dst in zip(made[::2], made[1::2]):
         assert src.dtype == dst.dtype == torch.int32 and src.numel() * 4 == dst.numel() * 4 == nbytes // 2
         assert torch.equal(src, dst) and src.any()
-    pairs.clear(), seen.clear()
-    bench.same_bytes_copy_us(bench.L2_SPILL_BYTES * 3, device="cpu")
-    assert seen == [1]
 
 
 def test_report_shows_the_same_bytes_copy_column_and_series(tmp_path):
