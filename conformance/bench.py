@@ -106,23 +106,27 @@ def _best_copy_us(nbytes: int, trials: int) -> dict:
     best = {}
     best[COPY_METHODS[0]] = min(graph_time_us([lambda: dst.copy_(src)], calls_per_graph=2, repeats=5) for _ in range(trials))
     best[COPY_METHODS[1]] = min(_stream_time_us(lambda: dst.copy_(src)) for _ in range(trials))
-    # An SM kernel that reads and writes every word (int32 * 1: the same bits), for comparison.
-    best[COPY_METHODS[2]] = min(graph_time_us([lambda: torch.mul(words_in, 1, out=words_out)], calls_per_graph=2, repeats=5)
+    best[COPY_METHODS[2]] = min(graph_time_us([lambda: _word_copy(words_in, words_out)], calls_per_graph=2, repeats=5)
                                 for _ in range(trials))
     return best
 
 
 def same_bytes_copy_us(nbytes: int, pairs: int, device: str = "cuda") -> float:
-    """The x * 1 kernel of COPY_METHODS, graph-timed like the fused call, reading nbytes // 2 and
-    writing as many, cycling `pairs` buffer pairs (pass the number of input sets the fused row
-    cycled, so both sides find as much of their data in L2): what a kernel doing nothing but move
+    """The x * 1 kernel of COPY_METHODS (_word_copy), graph-timed like the fused call, reading
+    nbytes // 2 and writing as many, cycling `pairs` buffer pairs (pass the number of input sets
+    the fused row cycled, so both sides find as much of their data in L2): what a kernel doing nothing but move
     a fused row's bytes takes at that size, launch and memory latency included. At TP = 1 (full
     variant) the fused call reads x and the residual and writes new_residual and layer_input:
     M*H*2*(1 + hc) bytes each way, fused_bytes // 2."""
     words = nbytes // 2 // 4
     buffers = [(torch.empty(words, dtype=torch.int32, device=device).random_(0, 1 << 30), torch.empty(words, dtype=torch.int32, device=device))
                for _ in range(pairs)]
-    return graph_time_us([lambda src=src, dst=dst: torch.mul(src, 1, out=dst) for src, dst in buffers])
+    return graph_time_us([lambda src=src, dst=dst: _word_copy(src, dst) for src, dst in buffers])
+
+
+def _word_copy(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """COPY_METHODS' x * 1 kernel: an SM kernel that reads and writes every int32 word (the same bits)."""
+    torch.mul(src, 1, out=dst)
 
 
 def _stream_time_us(call, repeats: int = 5) -> float:
