@@ -114,10 +114,10 @@ def _best_copy_us(nbytes: int, trials: int) -> dict:
 def same_bytes_copy_us(nbytes: int, pairs: int, device: str = "cuda") -> float:
     """The x * 1 kernel of COPY_METHODS (_word_copy), graph-timed like the fused call, reading
     nbytes // 2 and writing as many, cycling `pairs` buffer pairs (pass the number of input sets
-    the fused row cycled, so both sides find as much of their data in L2): what a kernel doing nothing but move
-    a fused row's bytes takes at that size, launch and memory latency included. At TP = 1 (full
-    variant) the fused call reads x and the residual and writes new_residual and layer_input:
-    M*H*2*(1 + hc) bytes each way, fused_bytes // 2."""
+    the fused row cycled, so both sides find as much of their data in L2): what a kernel doing
+    nothing but move a fused row's bytes takes at that size, launch and memory latency included.
+    At TP = 1 (full variant) the fused call reads x and the residual and writes new_residual and
+    layer_input: M*H*2*(1 + hc) bytes each way, fused_bytes // 2."""
     words = nbytes // 2 // 4
     buffers = [(torch.empty(words, dtype=torch.int32, device=device).random_(0, 1 << 30), torch.empty(words, dtype=torch.int32, device=device))
                for _ in range(pairs)]
