@@ -5,7 +5,9 @@ The TP=1 sweep runs M = 1, 2, 4, ..., 8192 (M_SWEEP) at each (hidden, hc) shape,
 run, the same way: each side is captured in a CUDA graph of CALLS_PER_GRAPH calls (cycling
 through enough input sets that one graph replay touches more memory than L2 holds when the
 problem is large), the graph is replayed REPEATS times between CUDA events, and the per-call
-median is reported. Also measured in the same run: device copy bandwidth (4 GiB copies three
+median is reported; the fused sides of a TP=1 row (full, MXFP8, full + quantize) and the two
+sides of a TP row are timed that way ROUNDS times, in turn, and report the median of their
+rounds (interleaved_times_us). Also measured in the same run: device copy bandwidth (4 GiB copies three
 ways, COPY_METHODS, the best of each; bytes read + written; the best is the copy ceiling), the publish kernel alone,
 the consumer per rank at emulated TP sizes (by default TP=8 at M = 1, 16, 1024, H=5120, hc=4:
 (all ranks - publishes) / tp, its bytes and their rate over the copy ceiling), and, at H=5120
@@ -36,6 +38,7 @@ import torch
 
 CALLS_PER_GRAPH = 20
 REPEATS = 15
+ROUNDS = 5  # interleaved_times_us: rounds of the sides a target's ratio compares
 L2_SPILL_BYTES = 256 << 20  # cycle input sets until one replay touches this much memory
 MAX_INPUT_SETS = 8
 M_SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -73,6 +76,19 @@ def graph_time_us(calls, *, calls_per_graph: int = CALLS_PER_GRAPH, repeats: int
         times.append(start.elapsed_time(stop) * 1000.0 / calls_per_graph)
     del graph
     return statistics.median(times)
+
+
+def interleaved_times_us(measures: dict, rounds: int = ROUNDS) -> dict:
+    """name -> every round's figure: each of `measures` (name -> a call returning us, e.g. a
+    graph_time_us) in turn, `rounds` times. The sides of a ratio are timed alternately over the
+    same stretch of time, so a drift of the GPU's state falls on all of them: one figure each,
+    back to back, put the MXFP8 variant 9.1% over the full one at H7168 hc8 M16 in one run where
+    five alternating rounds put them within 0.3% in three (notes/device-log.md, session 23)."""
+    times = {name: [] for name in measures}
+    for _ in range(rounds):
+        for name, measure in measures.items():
+            times[name].append(measure())
+    return times
 
 
 COPY_CEILING_BYTES = 4 << 30  # per buffer: a copy this large is not bound by its launch or tail
@@ -311,6 +327,9 @@ class Row:
     same_bytes_copy_us: float | None = None  # TP=1 rows: same_bytes_copy_us(fused_bytes)
     consumer_us: float | None = None  # TP rows: the consumer per rank, (fused - publish) / tp
     consumer_ceiling_fraction: float | None = None  # TP rows: consumer_bytes / consumer_us, over the copy ceiling
+    # Every round of the sides timed by interleaved_times_us, by side ("fused", "mxfp8",
+    # "full+quant"; TP rows: "all ranks", "publishes"); their figures above are the medians.
+    rounds_us: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -350,8 +369,20 @@ def measure_tp1(hidden: int, hc: int, ms, ops, compiled: bool = True, copy_ceili
         sets = _input_sets(1, m, hidden, hc, seed=m)
         full = [FusedSide(ops["full"], s, mxfp8=False) for s in sets]
         quant = [FusedSide(ops["mxfp8"], s, mxfp8=True) for s in sets]
-        row = Row(hidden=hidden, hc=hc, m=m, tp=1, fused_us=graph_time_us([f.call for f in full]))
-        row.fused_mxfp8_us = graph_time_us([f.call for f in quant])
+
+        def full_then_quantize(side):
+            side.call()
+            mxfp8_quantize(side.out[0][1], True, backend="cute-dsl")
+
+        # The sides of the MXFP8 targets (over full, against full + quantize), in turn.
+        rounds = interleaved_times_us({
+            "fused": lambda: graph_time_us([f.call for f in full]),
+            "mxfp8": lambda: graph_time_us([f.call for f in quant]),
+            "full+quant": lambda: graph_time_us([lambda side=side: full_then_quantize(side) for side in full]),
+        })
+        row = Row(hidden=hidden, hc=hc, m=m, tp=1, fused_us=statistics.median(rounds["fused"]), rounds_us=rounds)
+        row.fused_mxfp8_us = statistics.median(rounds["mxfp8"])
+        row.full_plus_quant_us = statistics.median(rounds["full+quant"])
         # At TP = 1 the call is one kernel (no publish: mhc_ar.config.ConsumerSpec.direct).
         row.publish_us = None if ops["full"].parts.one_kernel else graph_time_us([f.publish_only for f in full])
         row.unfused_us = graph_time_us([unfused_chain(s, mxfp8=False) for s in sets])
@@ -359,12 +390,6 @@ def measure_tp1(hidden: int, hc: int, ms, ops, compiled: bool = True, copy_ceili
         if compiled:
             row.compiled_us = graph_time_us([unfused_chain(s, mxfp8=False, compiled=True) for s in sets])
             row.compiled_mxfp8_us = graph_time_us([unfused_chain(s, mxfp8=True, compiled=True) for s in sets])
-
-        def full_then_quantize(side):
-            side.call()
-            mxfp8_quantize(side.out[0][1], True, backend="cute-dsl")
-
-        row.full_plus_quant_us = graph_time_us([lambda side=side: full_then_quantize(side) for side in full])
         row.consumer_bytes = consumer_bytes(1, m, hidden, hc, False)
         # Conservative: the consumer's bytes over the whole fused call (publish included). The
         # difference fused - publish is no consumer time: under PDL the two kernels overlap.
@@ -422,8 +447,11 @@ def measure_tp(tp: int, hidden: int, hc: int, ms, copy_ceiling_gbs: float = floa
     for m in ms:
         sets = _input_sets(tp, m, hidden, hc, seed=tp * 10_000 + m)
         sides = [FusedSide(op, s, mxfp8=False) for s in sets]
-        row = tp_row(tp, hidden, hc, m, fused_us=graph_time_us([s.call for s in sides]),
-                     publish_us=graph_time_us([s.publish_only for s in sides]), copy_ceiling_gbs=copy_ceiling_gbs)
+        rounds = interleaved_times_us({"all ranks": lambda: graph_time_us([s.call for s in sides]),
+                                       "publishes": lambda: graph_time_us([s.publish_only for s in sides])})
+        row = tp_row(tp, hidden, hc, m, fused_us=statistics.median(rounds["all ranks"]),
+                     publish_us=statistics.median(rounds["publishes"]), copy_ceiling_gbs=copy_ceiling_gbs)
+        row.rounds_us = rounds
         rows.append(row)
         print(_format_tp_row(row), flush=True)
         del sets, sides
@@ -548,7 +576,7 @@ def _format_row(row: Row) -> str:
         f"compiled {f(row.compiled_us)} us, compiled+quant {f(row.compiled_mxfp8_us)} us, "
         f"full+quant {f(row.full_plus_quant_us)} us, consumer {f(row.consumer_gbs)} GB/s, "
         f"fused bytes {row.fused_bytes} at {_percent(row.fused_ceiling_fraction)} of the copy ceiling, "
-        f"a copy of the same bytes {f(row.same_bytes_copy_us)} us"
+        f"a copy of the same bytes {f(row.same_bytes_copy_us)} us{_rounds_note(row, 'fused', 'mxfp8')}"
     )
 
 
@@ -556,7 +584,20 @@ def _format_tp_row(row: Row) -> str:
     return (
         f"tp{row.tp} H{row.hidden} hc{row.hc} M{row.m}: all ranks {row.fused_us:.2f} us, publishes {row.publish_us:.2f} us, "
         f"consumer/rank {_us(row.consumer_us)} us, {row.consumer_bytes} bytes at {_percent(row.consumer_ceiling_fraction)} of the copy ceiling"
+        f"{_rounds_note(row, 'all ranks', 'publishes')}"
     )
+
+
+def _spread(row: Row, side: str) -> str:
+    """min-max of a side's rounds (us); - where the row has none (a bench.json from before them)."""
+    times = row.rounds_us.get(side)
+    return "-" if not times else f"{min(times):.2f}-{max(times):.2f}"
+
+
+def _rounds_note(row: Row, *sides: str) -> str:
+    if not row.rounds_us:
+        return ""
+    return f"; {len(row.rounds_us[sides[0]])} rounds, " + ", ".join(f"{side} {_spread(row, side)}" for side in sides) + " us"
 
 
 def _percent(fraction) -> str:
@@ -781,12 +822,14 @@ def _html(result: BenchResult, rendered_from: Path | None) -> str:
         f"<td>{r.full_plus_quant_us:.2f}</td>"
         f"<td>{r.unfused_us / r.fused_us:.1f}</td><td>{'' if r.consumer_gbs is None else f'{r.consumer_gbs:.0f}'}</td>"
         f"<td>{_percent(r.fused_ceiling_fraction)}</td><td>{_us(r.same_bytes_copy_us)}</td>"
-        f"<td>{'-' if r.same_bytes_copy_us is None else f'{r.fused_us / r.same_bytes_copy_us:.2f}'}</td></tr>"
+        f"<td>{'-' if r.same_bytes_copy_us is None else f'{r.fused_us / r.same_bytes_copy_us:.2f}'}</td>"
+        f"<td>{_spread(r, 'fused')}</td><td>{_spread(r, 'mxfp8')}</td></tr>"
         for r in result.rows
     )
     tp_rows = "".join(
         f"<tr><td>{r.tp}</td><td>{r.hidden}</td><td>{r.hc}</td><td>{r.m}</td><td>{r.fused_us:.2f}</td><td>{r.publish_us:.2f}</td>"
-        f"<td>{_us(r.consumer_us)}</td><td>{r.consumer_bytes}</td><td>{_percent(r.consumer_ceiling_fraction)}</td></tr>"
+        f"<td>{_us(r.consumer_us)}</td><td>{r.consumer_bytes}</td><td>{_percent(r.consumer_ceiling_fraction)}</td>"
+        f"<td>{_spread(r, 'all ranks')}</td><td>{_spread(r, 'publishes')}</td></tr>"
         for r in result.tp_rows
     )
     builds = ["full", *DIAGNOSIS_BUILDS]
@@ -803,13 +846,14 @@ def _html(result: BenchResult, rendered_from: Path | None) -> str:
 <style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:2px 6px;text-align:right}}
 tr.pass td{{background:#dfd}}tr.fail td{{background:#fdd}}</style></head><body>
 <h1>mhc-ar benchmark</h1>{_rendered_note(rendered_from)}<p>{result.device}; device copy bandwidth {result.copy_gbs:.0f} GB/s (read + write, the best of {COPY_CEILING_TRIALS} copies of {COPY_CEILING_BYTES >> 30} GiB each way: {html_escape(", ".join(f"{m} {v:.0f}" for m, v in result.copy_methods_gbs.items()))});
-every time is the median per call of {REPEATS} replays of a CUDA graph of {CALLS_PER_GRAPH} calls; total {result.seconds:.0f} s.</p>
+every time is the median per call of {REPEATS} replays of a CUDA graph of {CALLS_PER_GRAPH} calls{_rounds_text(result)}; total {result.seconds:.0f} s.</p>
 <h2>Targets</h2><table><tr><th>target</th><th>result</th><th>measured</th></tr>{target_rows}</table>
 <h2>Latency vs M (TP=1, each (H, hc))</h2>{svg}
 <table><tr><th>H</th><th>hc</th><th>M</th><th>fused us</th><th>fused MXFP8 us</th><th>publish us</th><th>unfused us</th><th>unfused+quant us</th>
 <th>compiled us</th><th>compiled+quant us</th>
 <th>fused full + quantize us</th><th>speed-up</th><th>consumer bytes / fused time, GB/s</th><th>fused bytes / fused time, of the copy ceiling</th>
-<th>copy of the same bytes us</th><th>fused / copy of the same bytes</th></tr>{rows}</table>
+<th>copy of the same bytes us</th><th>fused / copy of the same bytes</th><th>fused rounds, min-max us</th>
+<th>fused MXFP8 rounds, min-max us</th></tr>{rows}</table>
 <p>A copy of the same bytes: an x * 1 kernel in a graph, timed like the fused call, reading half the fused bytes and writing
 as many (at TP=1 the full variant reads x and the residual and writes new_residual and layer_input: M*H*2*(1 + hc) bytes each
 way). What moving those bytes alone takes at that size, launch and memory latency included: at small M the floor under the fused
@@ -818,10 +862,18 @@ time.</p>
 <table><tr><th>H</th><th>hc</th><th>M</th>{"".join(f"<th>{html_escape(b)}</th>" for b in builds)}</tr>{diagnosis_rows}</table>
 <h2>Emulated TP (consumer per rank = (all ranks - publishes) / tp; its bytes per consumer_bytes)</h2>
 <table><tr><th>tp</th><th>H</th><th>hc</th><th>M</th><th>all ranks us</th><th>publishes us</th><th>consumer/rank us</th><th>consumer bytes</th>
-<th>consumer bytes / consumer time, of the copy ceiling</th></tr>{tp_rows}</table>
+<th>consumer bytes / consumer time, of the copy ceiling</th><th>all ranks rounds, min-max us</th><th>publishes rounds, min-max us</th></tr>{tp_rows}</table>
 <h2>Eager __call__ latency (H={detail_hidden}, hc={detail_hc}, TP=1, host wall time per call, us)</h2>
 <p>{html_escape(result.eager_api)}</p>{_eager_table(result.eager_us)}</body></html>"""
     return html
+
+
+def _rounds_text(result: BenchResult) -> str:
+    rounds = next((len(times) for r in result.rows + result.tp_rows for times in r.rounds_us.values()), 0)
+    if not rounds:  # a bench.json from before the rounds
+        return ""
+    return (f"; the fused, fused MXFP8 and full + quantize times of a TP=1 row and both times of a TP row are the median of "
+            f"{rounds} such figures, the sides timed in turn (their spread in the last columns)")
 
 
 def _rendered_note(rendered_from: Path | None) -> str:

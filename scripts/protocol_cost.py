@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from conformance.bench import FusedSide, _input_sets, graph_time_us  # noqa: E402
+from conformance.bench import FusedSide, _input_sets, graph_time_us, interleaved_times_us  # noqa: E402
 
 ROUNDS = 5
 
@@ -75,10 +75,7 @@ def _compare(names, sides, label, launch):
 def print_rounds(label: str, names, measure, rounds: int = ROUNDS) -> None:
     """measure(name) for each package in turn, `rounds` times; prints each package's median,
     its change against the first package's, and every round's figure."""
-    times = {name: [] for name in names}
-    for _ in range(rounds):
-        for name in names:
-            times[name].append(measure(name))
+    times = interleaved_times_us({name: lambda name=name: measure(name) for name in names}, rounds)
     base = statistics.median(times[names[0]])
     parts = []
     for name in names:

@@ -146,7 +146,7 @@ def test_report_holds_every_table_and_the_new_columns(tmp_path):
     assert "<tr><td>7168</td><td>8</td><td>8192</td><td>320.00</td><td>400.00</td>" in html
     assert "<th>hc</th>" in html and "<td>90.0%</td>" in html
     assert (f"<tr><td>8</td><td>5120</td><td>4</td><td>1024</td><td>1300.00</td><td>100.00</td><td>150.00</td>"
-            f"<td>{TP8_M1024_BYTES}</td><td>87.4%</td></tr>") in html
+            f"<td>{TP8_M1024_BYTES}</td><td>87.4%</td><td>-</td><td>-</td></tr>") in html
     assert "<tr class='fail'><td>MXFP8 variant &lt;= 8% over full at every M</td><td>missed</td>" in html
     # One fused, eager unfused and torch.compile line per (H, hc).
     assert html.count("<polyline") == 3 * len(SHAPES)
@@ -309,8 +309,8 @@ def test_report_shows_the_same_bytes_copy_column_and_series(tmp_path):
     write_report(result, tmp_path)
     html = (tmp_path / "bench.html").read_text()
     assert "<th>copy of the same bytes us</th><th>fused / copy of the same bytes</th>" in html
-    assert "<td>90.0%</td><td>2.00</td><td>1.25</td></tr>" in html
-    assert "<td>90.0%</td><td>-</td><td>-</td></tr>" in html  # rows not measured
+    assert "<td>90.0%</td><td>2.00</td><td>1.25</td><td>-</td><td>-</td></tr>" in html  # no rounds in _result()
+    assert "<td>90.0%</td><td>-</td><td>-</td><td>-</td><td>-</td></tr>" in html  # rows not measured
     assert ">same-bytes copy H7168 hc8</text>" in html and ">same-bytes copy H5120 hc4</text>" not in html
     assert json.loads((tmp_path / "bench.json").read_text())["rows"][-3]["same_bytes_copy_us"] == 2.0
 
@@ -343,3 +343,110 @@ def test_render_rebuilds_the_report_from_a_saved_bench_json(tmp_path, monkeypatc
         assert bench.main(["--render", str(source), "--out", str(tmp_path / "bad")]) == 2
         assert f"--render: cannot read a bench result from {source}" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
+
+
+def test_interleaved_rounds_take_the_sides_in_turn():
+    order = []
+    figures = {"a": iter([3.0, 3.2, 3.1]), "b": iter([4.0, 3.9, 4.4])}
+
+    def measure(name):
+        order.append(name)
+        return next(figures[name])
+
+    times = bench.interleaved_times_us({"a": lambda: measure("a"), "b": lambda: measure("b")}, rounds=3)
+    assert order == ["a", "b"] * 3
+    assert times == {"a": [3.0, 3.2, 3.1], "b": [4.0, 3.9, 4.4]}
+
+
+class _FakeSide:
+    def __init__(self, op, inputs, mxfp8):
+        self.mxfp8, self.out = mxfp8, [(None, torch.zeros(1, 32, dtype=torch.bfloat16))]
+
+    def call(self):
+        pass
+
+    def publish_only(self):
+        pass
+
+
+def _side_of(calls) -> str:
+    """Which side a graph_time_us call times, from the calls measure_tp1 / measure_tp pass."""
+    call = calls[0]
+    if hasattr(call, "side"):
+        return call.side
+    owner = getattr(call, "__self__", None)
+    if owner is None:
+        return "full+quant"  # measure_tp1's lambda: side.call, then mxfp8_quantize
+    return {"call": "mxfp8" if owner.mxfp8 else "fused", "publish_only": "publishes"}[call.__name__]
+
+
+ROUND_FIGURES = {  # medians 3.1, 3.15, 4.5: not the first round's, not the mean
+    "fused": [3.2, 3.0, 3.1, 3.4, 3.05], "mxfp8": [3.3, 3.1, 3.15, 3.5, 3.12], "full+quant": [4.0, 5.0, 4.5, 6.0, 4.2],
+}
+
+
+def _fake_measurements(monkeypatch, figures):
+    """measure_tp1 / measure_tp with their GPU parts replaced: graph_time_us hands out `figures`
+    per side (the rest 50.0), recording the sides in the order it times them."""
+    timed = []
+    figures = {side: iter(values) for side, values in figures.items()}
+
+    def graph_time_us(calls, **kw):
+        side = _side_of(calls)
+        timed.append(side)
+        return next(figures[side]) if side in figures else 50.0
+
+    def unfused_chain(inputs, mxfp8, compiled=False):
+        call = lambda: None  # noqa: E731
+        call.side = ("compiled" if compiled else "unfused") + ("+quant" if mxfp8 else "")
+        return call
+
+    monkeypatch.setattr(bench, "graph_time_us", graph_time_us)
+    monkeypatch.setattr(bench, "_input_sets", lambda tp, m, hidden, hc, seed: ["set 0", "set 1"])
+    monkeypatch.setattr(bench, "FusedSide", _FakeSide)
+    monkeypatch.setattr(bench, "unfused_chain", unfused_chain)
+    monkeypatch.setattr(bench, "same_bytes_copy_us", lambda nbytes, pairs: 1.0)
+    return timed
+
+
+def test_a_tp1_row_reports_the_median_of_interleaved_rounds(monkeypatch):
+    """The full, MXFP8 and full + quantize sides (the MXFP8 targets' ratios) are timed in turn
+    for ROUNDS rounds; the row's figures are their medians, every round kept."""
+    timed = _fake_measurements(monkeypatch, ROUND_FIGURES)
+
+    class Op:
+        parts = type("Parts", (), {"one_kernel": True})()
+
+    (row,) = bench.measure_tp1(7168, 8, [16], {"full": Op(), "mxfp8": Op()}, copy_ceiling_gbs=3000.0)
+    assert bench.ROUNDS == 5
+    assert timed == ["fused", "mxfp8", "full+quant"] * 5 + ["unfused", "unfused+quant", "compiled", "compiled+quant"]
+    assert (row.fused_us, row.fused_mxfp8_us, row.full_plus_quant_us) == (3.1, 3.15, 4.5)
+    assert row.rounds_us == ROUND_FIGURES
+    assert bench._format_row(row).endswith("; 5 rounds, fused 3.00-3.40, mxfp8 3.10-3.50 us")
+
+
+def test_a_tp_row_reports_the_median_of_interleaved_rounds(monkeypatch):
+    import mhc_ar
+
+    figures = {"fused": [1300.0, 1250.0, 1400.0, 1290.0, 1310.0], "publishes": [100.0, 90.0, 120.0, 95.0, 101.0]}
+    timed = _fake_measurements(monkeypatch, figures)
+    monkeypatch.setattr(mhc_ar, "EmulatedAllReduceMHC", lambda **kw: kw)
+    (row,) = bench.measure_tp(8, 5120, 4, [1024], copy_ceiling_gbs=COPY_GBS)
+    assert timed == ["fused", "publishes"] * 5
+    assert (row.fused_us, row.publish_us, row.consumer_us) == (1300.0, 100.0, 150.0)
+    assert row.rounds_us == {"all ranks": figures["fused"], "publishes": figures["publishes"]}
+    assert bench._format_tp_row(row).endswith("; 5 rounds, all ranks 1250.00-1400.00, publishes 90.00-120.00 us")
+
+
+def test_report_shows_the_rounds_spread_only_where_measured(tmp_path):
+    result = _result()
+    _row(result, 7168, 8, 16).rounds_us = ROUND_FIGURES
+    result.tp_rows[-1].rounds_us = {"all ranks": [1300.0, 1310.0], "publishes": [100.0, 99.0]}
+    write_report(result, tmp_path)
+    html = (tmp_path / "bench.html").read_text()
+    assert "<td>3.00-3.40</td><td>3.10-3.50</td></tr>" in html
+    assert "<td>1300.00-1310.00</td><td>99.00-100.00</td></tr>" in html
+    assert "the median of 5 such figures, the sides timed in turn" in html
+    assert bench.load_result(tmp_path / "bench.json") == result
+    write_report(_result(), tmp_path / "none")  # a result from before the rounds claims none
+    assert "such figures" not in (tmp_path / "none" / "bench.html").read_text()
