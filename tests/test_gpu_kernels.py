@@ -60,6 +60,11 @@ CASES = [
     (1, 7168, 8, 129, False, "mxfp8"),
     (1, 5120, 4, 64, True, "mxfp8"),
     (1, 128, 2, 5, True, "residual_only"),
+    # TP = 1, hc > 4: the coefficients staged in shared memory (ConsumerSpec.coefficients_in_shared)
+    (1, 16392, 5, 33, True, "full"),  # odd hc, 2 fragments per thread, predicated
+    (1, 4104, 6, 17, False, "residual_only"),  # no collapse
+    (1, 5120, 7, 130, False, "mxfp8"),  # scale rows past one 128-row tile
+    (1, 4096, 8, 3, True, "mxfp8"),
 ]
 
 

@@ -64,12 +64,14 @@ def test_debug_mode_from_the_environment(monkeypatch):
         run_kernel(op, ranks, mix, mxfp8=False)
 
 
+@pytest.mark.parametrize("hc", [HC, 8])
 @pytest.mark.parametrize("bad", ["rows", "-2"])
-def test_at_tp1_the_consumer_skips_and_counts_invalid_indices(bad):
+def test_at_tp1_the_consumer_skips_and_counts_invalid_indices(bad, hc):
     """TP = 1 computes the contribution in the consumer (ConsumerSpec.direct): the same skip, the
-    same count, the same bytes."""
-    op = EmulatedAllReduceMHC(tp_size=1, hidden_size=HIDDEN, hc_mult=HC, max_num_tokens=M, top_k=TOP_K, check_routes=False)
-    ranks, mix = random_inputs(1, M, HIDDEN, HC, finalize=True, top_k=TOP_K, seed=23)
+    same count, the same bytes, with the coefficients in registers (hc 4) or shared memory (hc 8)."""
+    op = EmulatedAllReduceMHC(tp_size=1, hidden_size=HIDDEN, hc_mult=hc, max_num_tokens=M, top_k=TOP_K, check_routes=False)
+    assert op._engine.consumer_spec.coefficients_in_shared == (hc > 4)
+    ranks, mix = random_inputs(1, M, HIDDEN, hc, finalize=True, top_k=TOP_K, seed=23)
     rows = ranks[0].gemm2_permuted.shape[0]
     ranks[0].expanded_idx_to_permuted_idx[2, 1] = BAD[bad](rows)
     out, _ = run_kernel(op, ranks, mix, mxfp8=False)

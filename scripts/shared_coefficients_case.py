@@ -1,0 +1,54 @@
+"""Small TP = 1 calls at hc > 4, where the consumer stages the mix coefficients in shared memory
+(mhc_ar.config.ConsumerSpec.coefficients_in_shared), for compute-sanitizer racecheck, synccheck
+and memcheck:
+
+    compute-sanitizer --tool racecheck --report-api-errors no python scripts/shared_coefficients_case.py
+(API errors off: the DSL runtime probes driver entry points with cuGetProcAddress, which the
+sanitizer reports as CUDA_ERROR_INVALID_VALUE; they are not the kernel's.)
+Each case's outputs are compared with the reference's bytes; prints one line per case and exits 1
+if any differs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+
+from gpu_cases import random_inputs, reference_for, run_kernel  # noqa: E402
+from mhc_ar import EmulatedAllReduceMHC  # noqa: E402
+
+# hidden, hc, M, finalize, variant: a one-CTA cluster; two fragments per thread, predicated, odd hc; no norm
+CASES = [(1024, 8, 3, True, "mxfp8"), (16392, 5, 2, False, "full"), (1032, 6, 2, False, "residual_only")]
+
+
+def main() -> int:
+    failed = 0
+    for hidden, hc, m, finalize, variant in CASES:
+        mxfp8, residual_only = variant == "mxfp8", variant == "residual_only"
+        op = EmulatedAllReduceMHC(tp_size=1, hidden_size=hidden, hc_mult=hc, max_num_tokens=m, top_k=4,
+                                  quantize_layer_input=mxfp8, residual_only=residual_only)
+        ranks, mix = random_inputs(1, m, hidden, hc, finalize=finalize, top_k=4, seed=hidden + hc, residual_only=residual_only)
+        out, mx = run_kernel(op, ranks, mix, mxfp8=mxfp8)
+        torch.cuda.synchronize()
+        ref = reference_for(op, ranks, mix, mxfp8=mxfp8)
+        pairs = [(out[0][0], ref.new_residual)]
+        if ref.layer_input is not None:
+            pairs.append((out[0][1], ref.layer_input))
+        if mxfp8:
+            pairs += [(mx[0][0].view(torch.uint8), ref.mxfp8_values), (mx[0][1], ref.mxfp8_scales)]
+        same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in pairs)
+        failed += not same
+        spec = op._engine.consumer_spec
+        print(f"H{hidden} hc{hc} M{m} {'finalize' if finalize else 'call'} {variant}: coefficients in shared memory "
+              f"{spec.coefficients_in_shared}, {spec.tiling.threads_per_cta} threads x {spec.tiling.cluster_size} CTAs, "
+              f"outputs equal the reference: {same}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
