@@ -2,7 +2,7 @@
 (mhc_ar.config.ConsumerSpec.coefficients_in_shared), for compute-sanitizer racecheck, synccheck
 and memcheck:
 
-    compute-sanitizer --tool racecheck --report-api-errors no python scripts/shared_coefficients_case.py
+    compute-sanitizer --tool racecheck --report-api-errors no python scripts/shared_coefficients_case.py [--case H,HC,M,OP,VARIANT ...]
 (API errors off: the DSL runtime probes driver entry points with cuGetProcAddress, which the
 sanitizer reports as CUDA_ERROR_INVALID_VALUE; they are not the kernel's.)
 Each case's outputs are compared with the reference's bytes; prints one line per case and exits 1
@@ -11,6 +11,7 @@ if any differs.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -26,9 +27,19 @@ from mhc_ar import EmulatedAllReduceMHC  # noqa: E402
 CASES = [(1024, 8, 3, True, "mxfp8"), (16392, 5, 2, False, "full"), (1032, 6, 2, False, "residual_only")]
 
 
-def main() -> int:
+def _case(text: str):
+    hidden, hc, m, op, variant = text.split(",")
+    if op not in ("call", "finalize") or variant not in ("full", "mxfp8", "residual_only"):
+        raise argparse.ArgumentTypeError(f"expected H,HC,M,call|finalize,full|mxfp8|residual_only, got {text}")
+    return int(hidden), int(hc), int(m), op == "finalize", variant
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", type=_case, action="append", help="H,HC,M,call|finalize,VARIANT instead of CASES (repeatable)")
+    args = parser.parse_args(argv)
     failed = 0
-    for hidden, hc, m, finalize, variant in CASES:
+    for hidden, hc, m, finalize, variant in args.case or CASES:
         mxfp8, residual_only = variant == "mxfp8", variant == "residual_only"
         op = EmulatedAllReduceMHC(tp_size=1, hidden_size=hidden, hc_mult=hc, max_num_tokens=m, top_k=4,
                                   quantize_layer_input=mxfp8, residual_only=residual_only)
