@@ -27,9 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from conformance.bench import FusedSide, _input_sets, graph_time_us, interleaved_times_us  # noqa: E402
-
-ROUNDS = 5
+from conformance.bench import ROUNDS, FusedSide, _input_sets, graph_time_us, interleaved_times_us  # noqa: E402
 
 
 def main(argv=None) -> int:

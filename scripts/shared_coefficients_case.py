@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
-from gpu_cases import random_inputs, reference_for, run_kernel  # noqa: E402
+from gpu_cases import check_outputs, random_inputs, reference_for, run_kernel  # noqa: E402
 from mhc_ar import EmulatedAllReduceMHC  # noqa: E402
 
 # hidden, hc, M, finalize, variant: a one-CTA cluster; two fragments per thread, predicated, odd hc; no norm
@@ -46,18 +46,15 @@ def main(argv=None) -> int:
         ranks, mix = random_inputs(1, m, hidden, hc, finalize=finalize, top_k=4, seed=hidden + hc, residual_only=residual_only)
         out, mx = run_kernel(op, ranks, mix, mxfp8=mxfp8)
         torch.cuda.synchronize()
-        ref = reference_for(op, ranks, mix, mxfp8=mxfp8)
-        pairs = [(out[0][0], ref.new_residual)]
-        if ref.layer_input is not None:
-            pairs.append((out[0][1], ref.layer_input))
-        if mxfp8:
-            pairs += [(mx[0][0].view(torch.uint8), ref.mxfp8_values), (mx[0][1], ref.mxfp8_scales)]
-        same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in pairs)
+        differ = []
+        check_outputs(out, mx, reference_for(op, ranks, mix, mxfp8=mxfp8),
+                      lambda a, b, name: differ.append(name) if not torch.equal(a.view(torch.uint8), b.view(torch.uint8)) else None)
+        same = not differ
         failed += not same
         spec = op._engine.consumer_spec
         print(f"H{hidden} hc{hc} M{m} {'finalize' if finalize else 'call'} {variant}: coefficients in shared memory "
               f"{spec.coefficients_in_shared}, {spec.tiling.threads_per_cta} threads x {spec.tiling.cluster_size} CTAs, "
-              f"outputs equal the reference: {same}", flush=True)
+              f"outputs equal the reference: {same}" + ("" if same else f" (differ: {', '.join(differ)})"), flush=True)
     return 1 if failed else 0
 
 
