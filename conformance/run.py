@@ -154,9 +154,11 @@ def contract_specs(cases: Sequence[Case]) -> list:
     """The kernels the PTX contract compiles: every variant of the reference shape
     (mhc_ar.compile.kernel_variants()), and of the run's own shapes, so that each hidden size,
     hc and TP size among the selected cases is compiled at least once (the three cycled
-    together, not crossed: a preset's whole product would take an hour on a CPU)."""
+    together, not crossed: a preset's whole product would take an hour on a CPU); and, where
+    the cases have TP = 1 with hc > 4, that consumer too (its coefficients staged in shared
+    memory: ConsumerSpec.coefficients_in_shared), whose code no other variant shares."""
     from mhc_ar.compile import consumer_name, kernel_variants, publish_name
-    from mhc_ar.config import PublishSpec
+    from mhc_ar.config import REGISTER_BOUND_MAX_HC, PublishSpec
 
     def name(spec) -> str:
         return publish_name(spec) if isinstance(spec, PublishSpec) else consumer_name(spec)
@@ -169,6 +171,11 @@ def contract_specs(cases: Sequence[Case]) -> list:
         for i in range(max(len(axis) for axis in axes)):
             hidden, hc, tp = (axis[i % len(axis)] for axis in axes)
             for spec in kernel_variants(hidden_size=hidden, hc=hc, tp=tp, capacity=capacity, top_k=top_k):
+                specs.setdefault(name(spec), spec)
+        shared = sorted({(c.hidden, c.hc) for c in cases if c.tp == 1 and c.hc > REGISTER_BOUND_MAX_HC})
+        if shared:
+            hidden, hc = shared[-1]
+            for spec in kernel_variants(hidden_size=hidden, hc=hc, tp=1, capacity=capacity, top_k=top_k):
                 specs.setdefault(name(spec), spec)
     return list(specs.values())
 

@@ -178,3 +178,19 @@ def test_bench_results_become_a_latency_plot():
     report.bench = {"latency_us": {"tp8 H7168 <script>": [[1, 9.5], [128, 14.0]]}}
     page = render_html(report)
     assert "Latency by M" in page and page.count("<circle") >= 2 and "&lt;script&gt;" in page and "<script>" not in page
+
+
+def test_contract_compiles_the_shared_coefficient_consumer_where_the_cases_have_it():
+    """TP = 1 with hc > 4 has a consumer of its own (ConsumerSpec.coefficients_in_shared): the
+    contract compiles it when the cases include such a shape, and only then."""
+    from conformance.cases import Filters
+
+    def shared(cases):
+        return sorted({(s.hidden_size, s.hc, s.variant.value, s.contribution.value) for s in contract_specs(cases)
+                       if getattr(s, "coefficients_in_shared", False)})
+
+    default = preset_cases(Preset.DEFAULT)
+    assert shared(default) == [(7168, 8, v, op) for v in ("full", "mxfp8", "residual_only") for op in ("call", "finalize")]
+    assert shared(preset_cases(Preset.DEFAULT, Filters(tp=(1,), hc=(4,)))) == []
+    assert shared(preset_cases(Preset.DEFAULT, Filters(tp=(2,), hc=(8,)))) == []
+    assert shared(preset_cases(Preset.DEFAULT, Filters(tp=(1,), hidden=(5120,), hc=(8,))))[0][:2] == (5120, 8)
