@@ -158,7 +158,7 @@ def contract_specs(cases: Sequence[Case]) -> list:
     the cases have TP = 1 with hc > 4, that consumer too (its coefficients staged in shared
     memory: ConsumerSpec.coefficients_in_shared), whose code no other variant shares."""
     from mhc_ar.compile import consumer_name, kernel_variants, publish_name
-    from mhc_ar.config import REGISTER_BOUND_MAX_HC, PublishSpec
+    from mhc_ar.config import PublishSpec
 
     def name(spec) -> str:
         return publish_name(spec) if isinstance(spec, PublishSpec) else consumer_name(spec)
@@ -172,11 +172,11 @@ def contract_specs(cases: Sequence[Case]) -> list:
             hidden, hc, tp = (axis[i % len(axis)] for axis in axes)
             for spec in kernel_variants(hidden_size=hidden, hc=hc, tp=tp, capacity=capacity, top_k=top_k):
                 specs.setdefault(name(spec), spec)
-        shared = sorted({(c.hidden, c.hc) for c in cases if c.tp == 1 and c.hc > REGISTER_BOUND_MAX_HC})
-        if shared:
-            hidden, hc = shared[-1]
-            for spec in kernel_variants(hidden_size=hidden, hc=hc, tp=1, capacity=capacity, top_k=top_k):
-                specs.setdefault(name(spec), spec)
+        direct = [kernel_variants(hidden_size=hidden, hc=hc, tp=1, capacity=capacity, top_k=top_k)
+                  for hidden, hc in sorted({(c.hidden, c.hc) for c in cases if c.tp == 1})]
+        shared = [variants for variants in direct if any(s.coefficients_in_shared for s in variants)]
+        for spec in shared[-1] if shared else []:
+            specs.setdefault(name(spec), spec)
     return list(specs.values())
 
 
