@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU round on a device machine, every step logged under $OUT (default /tmp/mhc_out):
-#   bash scripts/gpu_round.sh [smoke] [rsqrt] [routes] [tests] [concurrent] [out-of-step] [stress] [protocol-cost] [mps] [conformance] [full-a] [full-b] [bench] [eager] [host-timing] ...
+#   bash scripts/gpu_round.sh [smoke] [rsqrt] [routes] [tests] [concurrent] [out-of-step] [stress] [protocol-cost] [mps] [conformance] [full-a] [full-b] [full-tp1-hc8] [bench] [eager] [host-timing] ...
 #   [eager-overhead] [capture] [impl-unfused] [impl-mhc_ar] [bench-key] [bench-5120x4] [bench-7168x8] ...
 #   [ncu-5120x4x1024] [ncu-7168x8x1-mxfp8] ... (Nsight Compute on one TP = 1 call of H x hc x M)
 #   several GPUs: [topo] [tp-conformance] [tp-graph] [tp-bench] [missing-rank] (NGPU ranks; default all GPUs)
@@ -67,6 +67,10 @@ for step in "${steps[@]}"; do
         conformance) run conformance 560 $PY -m conformance run --require-gpu --out "$OUT/reports" --run-id default --no-progress ;;
         full-a) run full-a 560 $PY -m conformance run --full --tp 1,2 --require-gpu --out "$OUT/reports" --run-id full-tp1-2 \
                     --no-progress --skip-compile-checks --skip-reference-checks ;;
+        # The TP = 1, hc = 8 part of the full matrix (the consumer with its coefficients in shared
+        # memory, whose clusters may take two tokens).
+        full-tp1-hc8) run full-tp1-hc8 560 $PY -m conformance run --full --tp 1 --hc 8 --require-gpu --out "$OUT/reports" \
+                          --run-id full-tp1-hc8 --no-progress --skip-compile-checks --skip-reference-checks ;;
         full-b) run full-b 560 $PY -m conformance run --full --tp 4,8 --require-gpu --out "$OUT/reports" --run-id full-tp4-8 \
                     --no-progress --skip-compile-checks --skip-reference-checks ;;
         # Out-of-step scenarios one by one, with their full output (the pytest file runs them all).
