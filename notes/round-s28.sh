@@ -1,7 +1,7 @@
 # Session 28's device round, never run (no H200 came). Copy to .before/round.sh and build .before as notes/device-log.md "Session 28" says.
 #   bash .before/round.sh cost   main, paired, and .cs / .nc-hinted copies, same run; the fastest at
 #                                H7168 hc8 M1024 full is kept in /tmp/chosen; its GPU tests and bench-key
-#   bash .before/round.sh gate   the chosen package's GPU tests, synccheck and matrix, on the same warm machine
+#   bash .before/round.sh gate   the chosen package's GPU tests, synccheck, racecheck and matrix, on the same warm machine
 #   bash .before/round.sh all    both in one call
 set -u
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -23,13 +23,9 @@ if [ "$1" != gate ]; then
   OUT=$OUT bash scripts/gpu_round.sh bench-key
 fi
 if [ "$1" != cost ]; then
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_kernels.py -k "paired or matches_reference" > "$OUT/paired.log" 2>&1
-  echo "paired tests rc=$?"; tail -3 "$OUT/paired.log"
-  timeout 100 compute-sanitizer --tool synccheck --report-api-errors no --error-exitcode 1 \
-    python3 scripts/shared_coefficients_case.py --case 2048,8,300,finalize,full > "$OUT/synccheck.log" 2>&1
-  echo "synccheck rc=$?"; tail -3 "$OUT/synccheck.log"
+  # The patch's `paired` step: GPU tests against the reference, synccheck and racecheck.
   case $best in
-    mhc_ar) OUT=$OUT bash scripts/gpu_round.sh full-tp1-hc8 ;;
-    *) OUT=$OUT bash scripts/gpu_round.sh full-a full-b ;;
+    mhc_ar) OUT=$OUT bash scripts/gpu_round.sh paired full-tp1-hc8 ;;
+    *) OUT=$OUT bash scripts/gpu_round.sh paired full-a full-b ;;
   esac
 fi

@@ -4,6 +4,7 @@ other access as before; it refuses a source that lacks the accesses it edits."""
 
 from __future__ import annotations
 
+import collections
 import importlib
 import importlib.util
 import pathlib
@@ -21,11 +22,8 @@ _SPEC.loader.exec_module(hinted_copy)
 H, HC = 1024, 4  # TP = 1: one fragment per thread (H / 8 = 128 vectors, one CTA of 128 threads)
 
 
-def _opcode_counts(ptx: str) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for instruction in parse_instructions(ptx):
-        counts[instruction.opcode] = counts.get(instruction.opcode, 0) + 1
-    return counts
+def _opcode_counts(ptx: str) -> collections.Counter:
+    return collections.Counter(instruction.opcode for instruction in parse_instructions(ptx))
 
 
 def _consumer_ptx(package) -> str:
