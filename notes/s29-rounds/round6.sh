@@ -1,4 +1,4 @@
-# The round for the next H200: main against the paired tree, same run; then the paired tree's hc8 sweep.
+# Session 29, prepared for an H200 that did not come (not run; notes/round-wide.sh is the round to run next): main against the paired tree, same run; then the paired tree's hc8 sweep.
 # Set up here: git archive HEAD mhc_ar | tar -x -C /tmp && mkdir -p .before && mv /tmp/mhc_ar .before/mhc_ar_before;
 #   git apply notes/paired-tokens-s27.patch; cp notes/s29-rounds/round6.sh .before/
 # Device, after install.sh with part1 then part2 (carry .before with part2):
