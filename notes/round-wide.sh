@@ -3,7 +3,7 @@
 #   rm -rf .before && mkdir .before && git archive HEAD mhc_ar | tar -x -C .before && mv .before/mhc_ar .before/mhc_ar_before
 #   git apply notes/wide-occupancy-s29.patch
 #   for n in 4 6; do cp -r mhc_ar .before/mhc_ar_w$n && find .before/mhc_ar_w$n -name __pycache__ -prune -exec rm -rf {} +
-#     sed -i "s/^SHARED_COEFFICIENT_CTAS_PER_SM = .*/SHARED_COEFFICIENT_CTAS_PER_SM = $n/" .before/mhc_ar_w$n/config.py; done
+#     sed -i "s/^SHARED_COEFFICIENT_THREADS_PER_SM = .*/SHARED_COEFFICIENT_THREADS_PER_SM = $((n * 128))/" .before/mhc_ar_w$n/config.py; done
 #   cp notes/round-wide.sh .before/round.sh
 # Device: run 1 carries .devwheels/install.sh and part1 (bash .devwheels/install.sh); run 2 carries
 # install.sh, part2 and .before:
