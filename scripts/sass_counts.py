@@ -5,7 +5,11 @@ consumer is compiled for sm_90a with its PTX kept (as scripts/ptx_snapshot.py do
 by `ptxas -v` and disassembled by `nvdisasm`; the table gives registers, spill bytes, the total
 instruction count and the most frequent opcodes (the part before the first dot).
 
-    python scripts/sass_counts.py --cuda-bin DIR [--shapes 5120x4,7168x8] [--mxfp8] [--top 8]
+    python scripts/sass_counts.py --cuda-bin DIR [--shapes 5120x4,7168x8] [--mxfp8] [--residual-only]
+        [--top 8] [--keep OUTDIR]
+
+--keep writes each kernel's PTX and SASS (OUTDIR/<kernel>.ptx, .sass) for reading where the
+figures point, e.g. where ptxas placed the loads, the shared-memory reads or the spills.
 
 DIR holds ptxas and nvdisasm of CUDA 13 or newer (the system's ptxas may read PTX only up to an
 older ISA version than the DSL writes). Without a CUDA toolkit, the wheels provide them:
@@ -47,7 +51,9 @@ def ptxas_figures(log: str) -> tuple[int, int, int]:
     return int(registers.group(1)), int(spills.group(1)), int(spills.group(2))
 
 
-def measure(ptx: str, cuda_bin: Path) -> dict:
+def measure(ptx: str, cuda_bin: Path, keep: Path | None = None) -> dict:
+    """ptxas -v and nvdisasm of one kernel's PTX; with `keep`, the PTX and SASS are written as
+    keep.ptx and keep.sass."""
     with tempfile.TemporaryDirectory() as folder:
         source, cubin = Path(folder) / "kernel.ptx", Path(folder) / "kernel.cubin"
         source.write_text(ptx)
@@ -55,6 +61,9 @@ def measure(ptx: str, cuda_bin: Path) -> dict:
                                    capture_output=True, text=True, check=True)
         registers, spill_stores, spill_loads = ptxas_figures(assembled.stdout + assembled.stderr)
         sass = subprocess.run([str(cuda_bin / "nvdisasm"), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    if keep is not None:
+        keep.with_suffix(".ptx").write_text(ptx)
+        keep.with_suffix(".sass").write_text(sass)
     counts = opcode_counts(sass)
     return {"registers": registers, "spill_stores": spill_stores, "spill_loads": spill_loads,
             "instructions": sum(counts.values()), "opcodes": counts}
@@ -69,8 +78,10 @@ def main(argv=None) -> int:
     parser.add_argument("--cuda-bin", type=Path, required=True, help="folder holding ptxas and nvdisasm")
     parser.add_argument("--shapes", default="5120x4,7168x4,7168x8", help="HIDDENxHC comma list")
     parser.add_argument("--mxfp8", action="store_true", help="the MXFP8 variant beside the full one")
+    parser.add_argument("--residual-only", action="store_true", help="the residual-only variant too")
     parser.add_argument("--capacity", type=int, default=8192)
     parser.add_argument("--top", type=int, default=8, help="opcodes shown per kernel")
+    parser.add_argument("--keep", type=Path, help="write each kernel's .ptx and .sass into this folder")
     args = parser.parse_args(argv)
     try:
         shapes = parse_shapes(args.shapes)
@@ -79,11 +90,14 @@ def main(argv=None) -> int:
     for tool in ("ptxas", "nvdisasm"):
         if not (args.cuda_bin / tool).is_file():
             parser.error(f"--cuda-bin: no {tool} in {args.cuda_bin}")
-    variants = (Variant.FULL, Variant.MXFP8) if args.mxfp8 else (Variant.FULL,)
+    variants = (Variant.FULL,) + ((Variant.MXFP8,) if args.mxfp8 else ()) + ((Variant.RESIDUAL_ONLY,) if args.residual_only else ())
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)
     for hidden, hc in shapes:
         for variant in variants:
             spec = ConsumerSpec(tiling=choose_consumer_tiling(hidden), hc=hc, tp=1, capacity=args.capacity, variant=variant)
-            figures = measure(compile_consumer(spec, ARCH, keep_ptx=True).ptx, args.cuda_bin)
+            keep = None if args.keep is None else args.keep / consumer_name(spec)
+            figures = measure(compile_consumer(spec, ARCH, keep_ptx=True).ptx, args.cuda_bin, keep)
             top = ", ".join(f"{op} {n}" for op, n in figures["opcodes"].most_common(args.top))
             print(f"{consumer_name(spec)} ({spec.tiling.threads_per_cta} threads x {spec.tiling.cluster_size} CTAs): "
                   f"{figures['registers']} registers, spills {figures['spill_stores']}/{figures['spill_loads']} bytes, "

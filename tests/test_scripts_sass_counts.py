@@ -43,3 +43,24 @@ def test_ptxas_figures_read_registers_and_spills():
     assert sass_counts.ptxas_figures(log) == (128, 16, 12)
     with pytest.raises(ValueError, match="no register or spill line"):
         sass_counts.ptxas_figures("ptxas fatal   : Unsupported .version 9.2")
+
+
+def test_measure_keeps_the_ptx_and_sass_where_asked(tmp_path, monkeypatch):
+    """--keep: measure() writes the kernel's PTX and nvdisasm's SASS beside its figures (ptxas
+    and nvdisasm replaced by canned output here: they are not on the CI machine)."""
+    log = ("    16 bytes stack frame, 16 bytes spill stores, 12 bytes spill loads\n"
+           "ptxas info    : Used 128 registers, used 1 barriers\n")
+
+    def fake_run(command, **_):
+        tool = pathlib.Path(command[0]).name
+        stdout = {"ptxas": "", "nvdisasm": SASS}[tool]
+        return type("Done", (), {"stdout": stdout, "stderr": log if tool == "ptxas" else ""})()
+
+    monkeypatch.setattr(sass_counts.subprocess, "run", fake_run)
+    keep = tmp_path / "consumer-x"
+    figures = sass_counts.measure(".version 9.0\n.target sm_90a\n", tmp_path, keep)
+    assert (figures["registers"], figures["spill_stores"], figures["instructions"]) == (128, 16, 8)
+    assert keep.with_suffix(".ptx").read_text() == ".version 9.0\n.target sm_90a\n"
+    assert keep.with_suffix(".sass").read_text() == SASS
+    assert sass_counts.measure(".version 9.0\n", tmp_path)["registers"] == 128
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["consumer-x.ptx", "consumer-x.sass"]
