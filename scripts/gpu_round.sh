@@ -67,8 +67,8 @@ for step in "${steps[@]}"; do
         conformance) run conformance 560 $PY -m conformance run --require-gpu --out "$OUT/reports" --run-id default --no-progress ;;
         full-a) run full-a 560 $PY -m conformance run --full --tp 1,2 --require-gpu --out "$OUT/reports" --run-id full-tp1-2 \
                     --no-progress --skip-compile-checks --skip-reference-checks ;;
-        # The TP = 1, hc = 8 part of the full matrix (the consumer with its coefficients in shared
-        # memory, whose clusters may take two tokens).
+        # The TP = 1, hc = 8 part of the full matrix: the gate for a change to the consumer with its
+        # coefficients in shared memory (ConsumerSpec.coefficients_in_shared) alone.
         full-tp1-hc8) run full-tp1-hc8 560 $PY -m conformance run --full --tp 1 --hc 8 --require-gpu --out "$OUT/reports" \
                           --run-id full-tp1-hc8 --no-progress --skip-compile-checks --skip-reference-checks ;;
         full-b) run full-b 560 $PY -m conformance run --full --tp 4,8 --require-gpu --out "$OUT/reports" --run-id full-tp4-8 \

@@ -1,8 +1,14 @@
+# python compare.py [--a PREFIX] [--b PREFIX] H HC VARIANT OP CTA: run_one.py's outputs
+# /tmp/sim/out_<PREFIX>_<H>_..._<CTA>.pkl, a (default main) against b (default wide-occupancy);
+# regmain / regwide-occupancy are the REGPATH runs, mut is mut.sh's copy.
 import sys, pickle
 from collections import Counter
 args = sys.argv[1:]
-a = pickle.load(open('/tmp/sim/out_main_%s.pkl' % '_'.join(args), 'rb'))
-b = pickle.load(open('/tmp/sim/out_wide-occupancy_%s.pkl' % '_'.join(args), 'rb'))
+prefixes = {'--a': 'main', '--b': 'wide-occupancy'}
+while args and args[0] in prefixes:
+    prefixes[args[0]] = args[1]; args = args[2:]
+a = pickle.load(open('/tmp/sim/out_%s_%s.pkl' % (prefixes['--a'], '_'.join(args)), 'rb'))
+b = pickle.load(open('/tmp/sim/out_%s_%s.pkl' % (prefixes['--b'], '_'.join(args)), 'rb'))
 ok = True
 for tid in range(a['threads']):
     sa, sb = a['stores'][tid], b['stores'][tid]

@@ -1,7 +1,7 @@
 import pickle, glob, collections
 for f in sorted(glob.glob('/tmp/sim/out_wide-occupancy_*.pkl')):
     o = pickle.load(open(f, 'rb'))
-    _, _, H, hc, var, con, cta = f[:-4].split('/')[-1].split('_', 1)[1].replace('residual_only', 'residualonly').split('_') if False else [None, None] + f[:-4].split('out_wide-occupancy_')[1].replace('residual_only','residualonly').split('_')
+    H, hc, var, con, cta = f[:-4].split('out_wide-occupancy_')[1].replace('residual_only', 'residualonly').split('_')
     hc = int(hc)
     region = o['region']
     bad = []

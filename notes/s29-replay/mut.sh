@@ -5,15 +5,5 @@ cd /tmp/sim/mut && git diff --no-index --stat /tmp/sim/wide-occupancy/mhc_ar/ker
 cd /tmp/sim
 for args in "7168 8 full call 0" "256 5 mxfp8 call 0" "16392 6 residual_only call 7"; do
   python run_one.py mut $args > /dev/null 2>/tmp/sim/err || { echo "$m: run error: $(tail -1 /tmp/sim/err)"; continue; }
-  set -- $args
-  cp out_mut_$1_$2_$3_$4_$5.pkl out_wide-occupancy_$1_$2_$3_$4_$5.pkl.bak 2>/dev/null
-  python - "$@" <<'PY'
-import sys, shutil, subprocess
-a = sys.argv[1:]
-n = '_'.join(a)
-shutil.copy(f'/tmp/sim/out_wide-occupancy_{n}.pkl', f'/tmp/sim/keep_{n}.pkl') if False else None
-PY
-  # compare main vs mut
-  sed 's/out_wide-occupancy_/out_mut_/' compare.py > compare_mut.py
-  python compare_mut.py $args | cut -c1-200
+  python compare.py --b mut $args | cut -c1-200
 done
