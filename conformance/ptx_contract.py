@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
 
 from mhc_ar.config import ConsumerSpec, Contribution, PublishSpec, Variant
@@ -581,18 +581,55 @@ def _operands(instruction: Instruction) -> list[str]:
     return operands + [""] * (3 - len(operands))
 
 
+def kernel_entries(ptx: str) -> list[str]:
+    """Each kernel of a PTX module: its text from `.entry` to the closing brace."""
+    return re.findall(r"\.entry \S+\(.*?\n\}\n", ptx, re.S)
+
+
+# How the wide form of a consumer reads its coefficients (ConsumerKernel._mix_by_word); the narrow
+# form never does.
+WIDE_FORM_ROW_READ = "ld.volatile.shared.v4.f32"
+
+
+def _launch_bound(entry: str) -> int:
+    """An entry's `.minnctapersm` (0 without one)."""
+    found = re.search(r"\.minnctapersm (\d+)", entry)
+    return int(found.group(1)) if found else 0
+
+
 def check_ptx(spec, ptx: str) -> list[PtxCheck]:
-    """The contract checks of one compiled kernel (PublishSpec or ConsumerSpec)."""
+    """The contract checks of one compiled kernel (PublishSpec or ConsumerSpec). A consumer with
+    a wide form (ConsumerSpec.has_wide_form) is one module of two kernels, told apart by how they
+    read the coefficients, each with its own launch bound: each is held to the consumer checks,
+    the wide form's named "wide form: ..."."""
     if isinstance(spec, PublishSpec):
         return check_publish_ptx(ptx, spec.contribution, spec.multicast, spec.tp, spec.top_k)
+    if isinstance(spec, ConsumerSpec) and spec.has_wide_form:
+        wide = replace(spec, wide=True)
+        entries = kernel_entries(ptx)
+        wide_entries = [e for e in entries if WIDE_FORM_ROW_READ in e]
+        narrow_entries = [e for e in entries if WIDE_FORM_ROW_READ not in e]
+        bounds = ([_launch_bound(e) for e in narrow_entries], [_launch_bound(e) for e in wide_entries])
+        expected = ([spec.min_ctas_per_sm], [wide.min_ctas_per_sm])
+        found = PtxCheck("a narrow and a wide form", bounds == expected,
+                         f"{len(entries)} kernels; .minnctapersm of those without / with {WIDE_FORM_ROW_READ}: {bounds}, "
+                         f"expected {expected}")
+        if not found.passed:
+            return [found]
+        wide_checks = _check_consumer_spec(wide, wide_entries[0])
+        return [found, *_check_consumer_spec(spec, narrow_entries[0]), *(replace(c, name=f"wide form: {c.name}") for c in wide_checks)]
     if isinstance(spec, ConsumerSpec):
-        fragments = spec.tiling.fragments_per_thread
-        if spec.direct:
-            return check_consumer_ptx(ptx, spec.variant, (1 + spec.hc) * fragments, direct=spec.contribution, top_k=spec.top_k,
-                                      fragments=fragments, predicated=spec.tiling.needs_predicate)
-        prefetched = spec.hc * fragments if spec.prefetch_residual else 0
-        return check_consumer_ptx(ptx, spec.variant, prefetched)
+        return _check_consumer_spec(spec, ptx)
     raise ValueError(f"spec must be a PublishSpec or ConsumerSpec, got {type(spec).__name__}")
+
+
+def _check_consumer_spec(spec: ConsumerSpec, ptx: str) -> list[PtxCheck]:
+    fragments = spec.tiling.fragments_per_thread
+    if spec.direct:
+        return check_consumer_ptx(ptx, spec.variant, (1 + spec.hc) * fragments, direct=spec.contribution, top_k=spec.top_k,
+                                  fragments=fragments, predicated=spec.tiling.needs_predicate)
+    prefetched = spec.hc * fragments if spec.prefetch_residual else 0
+    return check_consumer_ptx(ptx, spec.variant, prefetched)
 
 
 # ----- compile every variant for every arch ---------------------------------------------------

@@ -39,6 +39,18 @@ REGISTER_BOUND_MAX_HC = 4
 # 15): TP=1 H7168 hc8 -10.5% at M=1, -9.1% at M=16, -22% at M=1024 and M=8192; at emulated TP=8
 # (behind the spin) -0.5% at M=16 but +2.3% at M=1024, so the mailbox consumer keeps them in registers.
 SHARED_COEFFICIENT_CTAS_PER_SM = 4
+# From this many tokens a call of such a consumer launches its wide form instead
+# (ConsumerSpec.wide): the mix taken a word at a time, each row of coefficients re-read per word
+# as volatile vectors (ConsumerKernel._mix_by_word), so a CTA needs fewer registers and more CTAs
+# fit an SM: ptxas -v (CUDA 13, sm_90a, H7168 hc8, 128-thread CTAs) gives 96 registers and no
+# spills at 5 CTAs per SM (4 CTAs: 118/125 full/MXFP8; 6 CTAs: 80 with 16/20 bytes of spills).
+# The bound is in threads: at H > 8192 a CTA has 256 threads with two fragments each, and 640
+# threads (2 CTAs) give them 128 registers and no spills. Measured on an H100 (session 32, same
+# run, against the narrow form): -0.2 to -0.7% at M = 1024 and 8192 (H 5120 and 7168, hc 8, full
+# and MXFP8; one row +0.1%), but +4.7 to +17% at M <= 16 and -4.9 to +3.4% at M = 128: below
+# this count the narrow form runs.
+WIDE_FORM_THREADS_PER_SM = 640
+WIDE_FORM_MIN_TOKENS = 1024
 # The consumer loads its fragments' residual streams before the Lamport spin, so their latency
 # hides under the wait, when the 32-bit words then live across the spin fit: tp received vectors
 # (4 words each), the residual (4 * hc per fragment) and the mix coefficients (hc * (hc + 2)).
@@ -175,6 +187,10 @@ class ConsumerSpec:
     # Diagnosis only (the bench times a variant with a stage left out; outputs then break the
     # contract): a subset of DIAGNOSTIC_STAGES. Never set by AllReduceMHC.
     omit: frozenset = frozenset()
+    # The kernel a call of WIDE_FORM_MIN_TOKENS or more tokens launches where `has_wide_form`
+    # (never set by a caller: ConsumerKernel builds it beside the narrow one). The same operations
+    # in the same order, so the same bytes; it trades latency per token for CTAs per SM.
+    wide: bool = False
 
     def __post_init__(self):
         _check_sizes(self.tiling.hidden_size, self.tp, self.capacity)
@@ -188,6 +204,8 @@ class ConsumerSpec:
         if self.tp > 1 and (self.contribution, self.top_k) != (Contribution.CALL, 0):
             raise ValueError("at tp > 1 the publish computes the contribution: the consumer takes (CALL, top_k=0)")
         _check_contribution(self.contribution, self.top_k)
+        if self.wide and not self.coefficients_in_shared:
+            raise ValueError("only a tp = 1 consumer with hc > 4 (coefficients in shared memory) has a wide form")
 
     @property
     def hidden_size(self) -> int:
@@ -212,8 +230,16 @@ class ConsumerSpec:
         return self.hc > REGISTER_BOUND_MAX_HC and self.direct
 
     @property
+    def has_wide_form(self) -> bool:
+        """Whether calls of WIDE_FORM_MIN_TOKENS tokens or more launch this consumer's wide form
+        (the same module holds both kernels; see `wide`)."""
+        return self.coefficients_in_shared and not self.wide
+
+    @property
     def min_ctas_per_sm(self) -> int:
         """Launch-bounds minimum of resident CTAs per SM (0: no register bound)."""
+        if self.wide:
+            return max(1, WIDE_FORM_THREADS_PER_SM // self.tiling.threads_per_cta)
         if self.coefficients_in_shared:
             return SHARED_COEFFICIENT_CTAS_PER_SM
         if self.hc > REGISTER_BOUND_MAX_HC:

@@ -490,6 +490,16 @@ def ld_shared_f32(shared_address: Uint32, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
+def ld_volatile_shared_v4_f32(shared_address: Uint32, *, loc=None, ip=None):
+    """Four fp32 values from 16-byte-aligned shared memory, loaded where this stands (volatile:
+    ptxas neither merges nor hoists it, so the values take registers only near their use)."""
+    ops = _ir([Uint32(shared_address)], loc, ip)
+    struct = _asm(llvm.StructType.get_literal([T.f32()] * 4), ops, "ld.volatile.shared.v4.f32 {$0, $1, $2, $3}, [$4];",
+                  "=f,=f,=f,=f,r", side_effects=True, loc=loc, ip=ip)
+    return _unpack(struct, 4, Float32, loc, ip)
+
+
+@dsl_user_op
 def st_shared_f32(shared_address: Uint32, value: Float32, *, loc=None, ip=None) -> None:
     ops = _ir([Uint32(shared_address), Float32(value)], loc, ip)
     _asm(None, ops, "st.shared.f32 [$0], $1;", "r,f", side_effects=True, loc=loc, ip=ip)

@@ -22,9 +22,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from gpu_cases import check_outputs, random_inputs, reference_for, run_kernel  # noqa: E402
 from mhc_ar import EmulatedAllReduceMHC  # noqa: E402
+from mhc_ar.config import WIDE_FORM_MIN_TOKENS  # noqa: E402
 
-# hidden, hc, M, finalize, variant: a one-CTA cluster; two fragments per thread, predicated, odd hc; no norm
-CASES = [(1024, 8, 3, True, "mxfp8"), (16392, 5, 2, False, "full"), (1032, 6, 2, False, "residual_only")]
+# hidden, hc, M, finalize, variant: a one-CTA cluster; two fragments per thread, predicated, odd hc; no norm;
+# then two at WIDE_FORM_MIN_TOKENS tokens, where the wide form runs (ConsumerSpec.wide)
+CASES = [(1024, 8, 3, True, "mxfp8"), (16392, 5, 2, False, "full"), (1032, 6, 2, False, "residual_only"),
+         (1024, 8, WIDE_FORM_MIN_TOKENS, True, "mxfp8"), (1032, 6, WIDE_FORM_MIN_TOKENS, False, "residual_only")]
 
 
 def _case(text: str):
@@ -53,7 +56,8 @@ def main(argv=None) -> int:
         failed += not same
         spec = op._engine.consumer_spec
         print(f"H{hidden} hc{hc} M{m} {'finalize' if finalize else 'call'} {variant}: coefficients in shared memory "
-              f"{spec.coefficients_in_shared}, {spec.tiling.threads_per_cta} threads x {spec.tiling.cluster_size} CTAs, "
+              f"{spec.coefficients_in_shared} ({'wide' if m >= WIDE_FORM_MIN_TOKENS else 'narrow'} form), "
+              f"{spec.tiling.threads_per_cta} threads x {spec.tiling.cluster_size} CTAs, "
               f"outputs equal the reference: {same}" + ("" if same else f" (differ: {', '.join(differ)})"), flush=True)
     return 1 if failed else 0
 

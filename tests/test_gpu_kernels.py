@@ -12,6 +12,7 @@ import torch
 from conformance.compare import assert_bitwise_equal
 from conformance.runner import POISON_BF16
 from mhc_ar import EmulatedAllReduceMHC
+from mhc_ar.config import WIDE_FORM_MIN_TOKENS
 from mhc_ar.protocol import GENERATIONS, PUBLISH_GENERATION, SENTINEL_BF16
 from reference import BF16_CANONICAL_NAN, MixInputs, RankInputs
 
@@ -23,15 +24,15 @@ CAPACITY = 256
 _OPS: dict = {}
 
 
-def emulated(tp, hidden, hc, *, top_k=8, mxfp8=False, residual_only=False) -> EmulatedAllReduceMHC:
-    key = (tp, hidden, hc, top_k, mxfp8, residual_only)
+def emulated(tp, hidden, hc, *, top_k=8, mxfp8=False, residual_only=False, capacity=CAPACITY) -> EmulatedAllReduceMHC:
+    key = (tp, hidden, hc, top_k, mxfp8, residual_only, capacity)
     if key not in _OPS:
         _OPS.clear()  # one instance alive at a time bounds mailbox memory
         _OPS[key] = EmulatedAllReduceMHC(
             tp_size=tp,
             hidden_size=hidden,
             hc_mult=hc,
-            max_num_tokens=CAPACITY,
+            max_num_tokens=capacity,
             top_k=top_k,
             quantize_layer_input=mxfp8,
             residual_only=residual_only,
@@ -77,6 +78,42 @@ def test_matches_reference(tp, hidden, hc, m, finalize, variant):
     torch.cuda.synchronize()
     check_outputs(out, mx, reference_for(op, ranks, mix, mxfp8=mxfp8), assert_bitwise_equal)
     assert mailboxes_armed(op), "a consumed mailbox slot was not re-armed"
+
+
+# TP = 1, hc > 4, from WIDE_FORM_MIN_TOKENS tokens: the consumer's wide form (ConsumerSpec.wide)
+WIDE_CASES = [
+    # hidden, hc, m, finalize, variant
+    (7168, 8, WIDE_FORM_MIN_TOKENS, True, "full"),  # the first count that takes it
+    (5120, 7, WIDE_FORM_MIN_TOKENS + 1, False, "mxfp8"),  # odd hc, a scale tile begun
+    (16392, 5, WIDE_FORM_MIN_TOKENS, False, "full"),  # 256-thread CTAs, 2 fragments per thread, predicated
+    (4104, 6, WIDE_FORM_MIN_TOKENS + 6, True, "residual_only"),  # no collapse, predicated
+]
+
+
+def _consumer_kernels_run(call) -> list[str]:
+    """The names of the consumer kernels `call` launches (a CUDA profiler trace)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        call()
+        torch.cuda.synchronize()
+    return [e.name for e in trace.events() if e.device_type == torch.autograd.DeviceType.CUDA
+            and ("ConsumerKernel" in e.name or "WideFormKernel" in e.name)]
+
+
+@pytest.mark.parametrize("hidden,hc,m,finalize,variant", WIDE_CASES)
+def test_wide_form_runs_from_its_token_count_and_matches_reference(hidden, hc, m, finalize, variant):
+    """One instance (capacity m): a call of m tokens launches the wide form, one of
+    WIDE_FORM_MIN_TOKENS - 1 the narrow form; both match the reference byte for byte."""
+    mxfp8, residual_only = variant == "mxfp8", variant == "residual_only"
+    op = emulated(1, hidden, hc, mxfp8=mxfp8, residual_only=residual_only, capacity=m)
+    for tokens in (m, WIDE_FORM_MIN_TOKENS - 1):
+        ranks, mix = random_inputs(1, tokens, hidden, hc, finalize=finalize, seed=tokens + hc, residual_only=residual_only)
+        result = {}
+        names = _consumer_kernels_run(lambda: result.update(zip(("out", "mx"), run_kernel(op, ranks, mix, mxfp8=mxfp8))))
+        wide = tokens >= WIDE_FORM_MIN_TOKENS
+        assert len(names) == 1 and ("WideFormKernel" in names[0]) == wide, f"M={tokens}: kernels run {names}"
+        check_outputs(result["out"], result["mx"], reference_for(op, ranks, mix, mxfp8=mxfp8), assert_bitwise_equal)
 
 
 def test_mxfp8_matches_flashinfer():

@@ -267,22 +267,46 @@ def test_a_rank_binds_its_arguments_in_the_declared_order():
     assert [bound[f"peer{r}"] for r in range(8)] == [11, 12, 13, 14, 0, 0, 0, 0]
 
 
-def test_tp1_above_hc4_reads_the_coefficients_from_shared_memory():
+@pytest.mark.parametrize("hc, variant", [(8, Variant.FULL), (5, Variant.MXFP8), (6, Variant.RESIDUAL_ONLY)])
+def test_tp1_above_hc4_reads_the_coefficients_from_shared_memory_in_two_forms(hc, variant):
     """hc > 4 at tp = 1 (ConsumerSpec.coefficients_in_shared): the hc * (hc + 2) coefficients are
-    staged in shared memory and read where used (volatile ld.shared, one per use), under a
-    4-CTAs-per-SM register bound; the mailbox consumer (tp > 1) keeps them in registers."""
-    from conformance.ptx_contract import check_ptx
+    staged in shared memory; the mailbox consumer (tp > 1) keeps them in registers. The module
+    holds two kernels. The narrow form reads each coefficient where used (one volatile
+    ld.shared.f32 each) under a bound of 4 CTAs per SM (SHARED_COEFFICIENT_CTAS_PER_SM); the wide
+    form, for calls of WIDE_FORM_MIN_TOKENS or more, re-reads every row for each word of the
+    fragment as volatile vectors (rows padded to whole 16-byte vectors) under a bound of 640
+    threads per SM (WIDE_FORM_THREADS_PER_SM: 5 CTAs of 128 threads, 2 of 256 at H > 8192)."""
+    from conformance.ptx_contract import check_ptx, kernel_entries
 
-    tiling = choose_consumer_tiling(7168)
-    direct = ConsumerSpec(tiling, hc=8, tp=1, capacity=CAPACITY, variant=Variant.FULL)
+    direct = ConsumerSpec(choose_consumer_tiling(7168), hc=hc, tp=1, capacity=CAPACITY, variant=variant)
     mailbox = dataclasses.replace(direct, tp=2)
-    assert direct.coefficients_in_shared and direct.min_ctas_per_sm == 4
-    assert not mailbox.coefficients_in_shared and mailbox.min_ctas_per_sm == 0
+    wide = dataclasses.replace(direct, wide=True)
+    assert direct.coefficients_in_shared and direct.has_wide_form and direct.min_ctas_per_sm == 4
+    assert wide.min_ctas_per_sm == 5 and not wide.has_wide_form
+    big = ConsumerSpec(choose_consumer_tiling(16392), hc=hc, tp=1, capacity=CAPACITY, variant=Variant.FULL)
+    assert big.tiling.threads_per_cta == 256 and big.min_ctas_per_sm == 4 and dataclasses.replace(big, wide=True).min_ctas_per_sm == 2
+    assert not mailbox.coefficients_in_shared and not mailbox.has_wide_form and mailbox.min_ctas_per_sm == 0
+    with pytest.raises(ValueError, match="wide form"):
+        dataclasses.replace(mailbox, wide=True)
+    with pytest.raises(ValueError, match="wide form"):
+        dataclasses.replace(direct, hc=4, wide=True)
     direct_ptx = compile_consumer(direct, "sm_90a", keep_ptx=True).ptx
     mailbox_ptx = compile_consumer(mailbox, "sm_90a", keep_ptx=True).ptx
-    shared_reads = [i for i in parse_instructions(direct_ptx) if i.opcode == "ld.shared.f32"]
-    # post 8 + comb 64 per target loop, pre 8, plus the warp and cluster sums of the norm
-    assert len(shared_reads) >= 8 * 8 + 8 + 8
-    assert ".minnctapersm 4" in direct_ptx and ".minnctapersm" not in mailbox_ptx
+    entries = kernel_entries(direct_ptx)
+    assert len(entries) == 2 and len(kernel_entries(mailbox_ptx)) == 1
+    [narrow_ptx] = [e for e in entries if "ConsumerKernel" in e.split("(", 1)[0]]
+    [wide_ptx] = [e for e in entries if "WideFormKernel" in e.split("(", 1)[0]]
+    rows = hc + 1 + (variant is not Variant.RESIDUAL_ONLY)  # post, the hc comb rows, pre (with a norm)
+    narrow_reads = [i for i in parse_instructions(narrow_ptx) if i.opcode == "ld.shared.f32"]
+    assert len(narrow_reads) >= rows * hc and ".minnctapersm 4" in narrow_ptx
+    assert not [i for i in parse_instructions(narrow_ptx) if i.opcode == "ld.volatile.shared.v4.f32"]
+    row_reads = [i for i in parse_instructions(wide_ptx) if i.opcode == "ld.volatile.shared.v4.f32"]
+    assert len(row_reads) == 4 * rows * -(-hc // 4)  # per word of the fragment, each row in ceil(hc / 4) vectors
+    assert ".minnctapersm 5" in wide_ptx and ".minnctapersm" not in mailbox_ptx
     assert not [i for i in parse_instructions(mailbox_ptx) if i.opcode == "st.shared.b32"]
-    assert all(c.passed for c in check_ptx(direct, direct_ptx))
+    checks = check_ptx(direct, direct_ptx)
+    assert all(c.passed for c in checks) and sum(c.name.startswith("wide form: ") for c in checks) >= 10
+    # Either kernel alone is not the consumer the spec describes.
+    for alone in (narrow_ptx, wide_ptx):
+        [found] = check_ptx(direct, alone)
+        assert found.name == "a narrow and a wide form" and not found.passed

@@ -19,6 +19,8 @@ right after its first fragment's data has landed, trapping when ranks are out of
 
 from __future__ import annotations
 
+import dataclasses
+
 import cutlass
 import cutlass.cute as cute
 from cutlass.memory import SmemAllocator
@@ -32,6 +34,7 @@ from ..config import (
     VECTOR_ELEMS,
     VECTORS_PER_MXFP8_BLOCK,
     WARP_SIZE,
+    WIDE_FORM_MIN_TOKENS,
     ConsumerSpec,
     Variant,
 )
@@ -84,38 +87,60 @@ class _Coefficients:
 
 
 class _SharedCoefficients:
-    """hc > REGISTER_BOUND_MAX_HC: the token's coefficients staged in shared memory (post [hc],
-    comb [hc][hc], pre [hc], in that order), each read (ld.shared, volatile) where it is used,
-    so they take no registers across the kernel. `post[t]`, `comb[s][t]`, `pre[t]` as
-    _Coefficients'."""
+    """hc > REGISTER_BOUND_MAX_HC: the token's coefficients staged in shared memory, rows of
+    `stride` words: post [hc], comb [hc][hc] (row s holds comb[s][0..hc-1]), pre [hc], in that
+    order. Read where they are used, so they take registers only near their use. The narrow form
+    reads `post[t]`, `comb[s][t]`, `pre[t]` as _Coefficients' (one volatile ld.shared each; rows
+    of hc words). The wide form (`vectors`; ConsumerSpec.wide) reads a whole row with `row(start)`
+    as volatile 16-byte vectors (ptxas neither merges nor hoists them; rows of hc rounded up to 4
+    words, so each starts 16-byte aligned)."""
 
     @staticmethod
-    def count(hc: int) -> int:
-        return hc * (hc + 2)
+    def stride(hc: int, vectors: bool) -> int:
+        return -(-hc // _WORDS) * _WORDS if vectors else hc
 
-    def __init__(self, hc, has_norm, tensor, threads):
+    @staticmethod
+    def count(hc: int, vectors: bool) -> int:
+        return _SharedCoefficients.stride(hc, vectors) * (hc + 2)
+
+    def __init__(self, hc, has_norm, tensor, threads, vectors):
         self.hc, self.threads = hc, threads
-        self.sections = [(0, hc), (hc, hc * hc)] + ([(hc + hc * hc, hc)] if has_norm else [])
+        stride = self.stride(hc, vectors)
+        self.post_start, self.pre_start = 0, stride * (hc + 1)
+        self.comb_starts = [stride * (1 + s) for s in range(hc)]
+        # (shared start, global element count, global row length) of each section.
+        self.sections = [(0, hc, hc), (stride, hc * hc, hc)] + ([(self.pre_start, hc, hc)] if has_norm else [])
+        self.stride_words = stride
         self.base = tensor.iterator.toint()
-        self.post = _SharedRow(self.base, 0)
-        self.comb = [_SharedRow(self.base, hc + s * hc) for s in range(hc)]
-        self.pre = _SharedRow(self.base, hc + hc * hc)
+        self.post = _SharedRow(self.base, self.post_start)
+        self.comb = [_SharedRow(self.base, start) for start in self.comb_starts]
+        self.pre = _SharedRow(self.base, self.pre_start)
 
     def load(self, post, comb, pre, row, tid):
-        """Thread tid's slots (tid, tid + threads, ...) of each section, from global memory
-        (predicated loads: zeros past the section's end)."""
+        """Thread tid's elements (tid, tid + threads, ...) of each section, from global memory
+        (predicated loads: zeros past the section's end), with the shared word each goes to."""
         hc = self.hc
         bases = [post + row * hc * F32_BYTES, comb + row * hc * hc * F32_BYTES, pre + row * hc * F32_BYTES]
         slots = []
-        for (start, size), base in zip(self.sections, bases):
+        for (start, size, length), base in zip(self.sections, bases):
             for first in range(0, size, self.threads):
                 index = tid + first
-                slots.append((start, index, size, ptx.ld_global_u32(base + Int64(index) * F32_BYTES, index < size)))
+                word = start + index
+                if self.stride_words != length:
+                    word = start + (index // length) * self.stride_words + index % length
+                slots.append((word, index, size, ptx.ld_global_u32(base + Int64(index) * F32_BYTES, index < size)))
         return slots
 
     def store(self, slots):
-        for start, index, size, bits in slots:
-            ptx.st_shared_u32_if(self.base + (start + index) * F32_BYTES, bits, index < size)
+        for word, index, size, bits in slots:
+            ptx.st_shared_u32_if(self.base + word * F32_BYTES, bits, index < size)
+
+    def row(self, start):
+        """The hc coefficients of the row at word `start`, read as 16-byte vectors."""
+        values = []
+        for q in range(0, self.hc, _WORDS):
+            values += list(ptx.ld_volatile_shared_v4_f32(self.base + (start + q) * F32_BYTES))
+        return values[: self.hc]
 
 
 class _SharedRow:
@@ -168,6 +193,8 @@ class ConsumerKernel:
         self.direct = spec.direct
         # The cross-CTA sum needs a cluster; residual-only has no cross-CTA step.
         self.cluster = self.tiling.cluster_size if self.has_norm else 1
+        # Built beside this one, in the same module; calls of WIDE_FORM_MIN_TOKENS or more launch it.
+        self.wide_form = WideFormKernel(dataclasses.replace(spec, wide=True)) if spec.has_wide_form else None
 
     @cute.jit
     def __call__(
@@ -192,11 +219,21 @@ class ConsumerKernel:
         gemm2_rows: Int32,
         stream,
     ):
+        arguments = (mailbox, state, (source, gemm2, weights, routes), (residual, post, comb, pre, norm_weight),
+                     (new_residual, layer_input, mx_values, mx_scales), eps, num_tokens, gemm2_rows)
+        if cutlass.const_expr(self.wide_form is None):
+            self._launch(arguments, stream)
+        else:
+            if num_tokens >= WIDE_FORM_MIN_TOKENS:
+                self.wide_form._launch(arguments, stream)
+            else:
+                self._launch(arguments, stream)
+
+    def _launch(self, arguments, stream):
+        """This kernel's launch, traced into the caller's host function."""
         tiling, spec = self.tiling, self.spec
-        contribution = (source, gemm2, weights, routes)
-        mix = (residual, post, comb, pre, norm_weight)
-        outputs = (new_residual, layer_input, mx_values, mx_scales)
-        self.kernel(mailbox, state, contribution, mix, outputs, eps, num_tokens, gemm2_rows).launch(
+        num_tokens = arguments[6]
+        self.kernel(*arguments).launch(
             grid=[num_tokens * tiling.cluster_size, 1, 1],
             block=[tiling.threads_per_cta, 1, 1],
             cluster=[self.cluster, 1, 1],
@@ -241,7 +278,7 @@ class ConsumerKernel:
         sums_landed = smem.allocate_tensor(Int64, cute.make_layout((1,)), byte_alignment=8)  # an mbarrier
         shared_coefficients = None
         if cutlass.const_expr(spec.coefficients_in_shared):
-            shared_coefficients = smem.allocate_tensor(Float32, cute.make_layout((_SharedCoefficients.count(hc),)), byte_alignment=16)
+            shared_coefficients = smem.allocate_tensor(Float32, cute.make_layout((_SharedCoefficients.count(hc, spec.wide),)), byte_alignment=16)
         if cutlass.const_expr(self.has_norm and clusters > 1):
             # The cluster's CTA sums arrive by st.async on this mbarrier (see _inverse_rms): one
             # 4-byte sum from each CTA. Every CTA of the cluster must have started, and initialized
@@ -278,7 +315,7 @@ class ConsumerKernel:
         row = Int64(token)
         staged = None
         if cutlass.const_expr(spec.coefficients_in_shared):
-            staged = _SharedCoefficients(hc, self.has_norm, shared_coefficients, threads)
+            staged = _SharedCoefficients(hc, self.has_norm, shared_coefficients, threads, spec.wide)
             slots = staged.load(post, comb, pre, row, tid)
         else:
             coefficients = self._load_coefficients(post, comb, pre, row)
@@ -322,16 +359,20 @@ class ConsumerKernel:
             y = self._reduce(received)
             if cutlass.const_expr(not spec.prefetch_residual):
                 residual_words.append(self._load_residual(residual, row, column, valid))
-            targets = self._post_mix(y, residual_words[k], coefficients, new_residual, row, column, valid)
-            if cutlass.const_expr(not (spec.coefficients_in_shared and self.has_norm)):
-                # Every target first (at hc <= 4 the registers allow it; residual_only stops here).
-                # With the coefficients in shared memory the collapse takes each target as soon as
-                # it is rounded instead: the same operations in the same order, none stays live.
-                targets = list(targets)
-            if cutlass.const_expr(self.has_norm):
-                p = self._collapse(targets, coefficients)
-                sum_sq = self._sum_of_squares(p, sum_sq)
+            if cutlass.const_expr(spec.wide):
+                p, sum_sq = self._mix_by_word(y, residual_words[k], coefficients, new_residual, row, column, valid, sum_sq)
                 collapsed.append(p)
+            else:
+                targets = self._post_mix(y, residual_words[k], coefficients, new_residual, row, column, valid)
+                if cutlass.const_expr(not (spec.coefficients_in_shared and self.has_norm)):
+                    # Every target first (at hc <= 4 the registers allow it; residual_only stops here).
+                    # With the coefficients in shared memory the collapse takes each target as soon as
+                    # it is rounded instead: the same operations in the same order, none stays live.
+                    targets = list(targets)
+                if cutlass.const_expr(self.has_norm):
+                    p = self._collapse(targets, coefficients)
+                    sum_sq = self._sum_of_squares(p, sum_sq)
+                    collapsed.append(p)
 
         if cutlass.const_expr(self.has_norm):
             # The norm weight is needed only after the cross-CTA sum: loaded before it, so its
@@ -405,6 +446,40 @@ class ConsumerKernel:
             words = _narrow(a)
             ptx.st_global_v4(new_residual + ((row * hc + t) * hidden + column) * BF16_BYTES, *words, valid)
             yield _widen(words)
+
+    def _mix_by_word(self, y, residual_words, coefficients, new_residual, row, column, valid, sum_sq):
+        """Contract steps 4-6 with the coefficients in shared memory, one word (two elements) of
+        the fragment at a time: each element's chains are _post_mix's, _collapse's and
+        _sum_of_squares' (the same operations in the same order; elements stay in order), but
+        only one word of each residual stream is widened at a time and the coefficients are read
+        again for each word, so few values are live at once (ptxas -v: see
+        WIDE_FORM_THREADS_PER_SM). new_residual is stored once all its words are rounded.
+        Returns (p, sum_sq); without a norm (residual_only) p is empty and sum_sq unchanged."""
+        hc, hidden = self.spec.hc, self.spec.hidden_size
+        target_words = [[None] * _WORDS for _ in range(hc)]
+        p = []
+        for w in range(_WORDS):
+            post = coefficients.row(coefficients.post_start)
+            a = [[ptx.mul_rn(y[2 * w + h], post[t]) for h in range(2)] for t in range(hc)]
+            for s in range(hc):  # each target's chain takes s in order
+                pair = ptx.bf16x2_to_f32x2(residual_words[s][w])
+                comb = coefficients.row(coefficients.comb_starts[s])
+                a = [[ptx.fma_rn(pair[h], comb[t], a[t][h]) for h in range(2)] for t in range(hc)]
+            for t in range(hc):
+                target_words[t][w] = ptx.f32x2_to_bf16x2_rn(a[t][0], a[t][1])
+            if cutlass.const_expr(self.has_norm):
+                pre = coefficients.row(coefficients.pre_start)
+                c = [Float32(0.0)] * 2
+                for t in range(hc):
+                    mixed = ptx.bf16x2_to_f32x2(target_words[t][w])
+                    c = [ptx.fma_rn(mixed[h], pre[t], c[h]) for h in range(2)]
+                rounded = ptx.bf16x2_to_f32x2(ptx.f32x2_to_bf16x2_rn(c[0], c[1]))
+                for h in range(2):
+                    sum_sq = ptx.fma_rn(rounded[h], rounded[h], sum_sq)
+                p += list(rounded)
+        for t in range(hc):
+            ptx.st_global_v4(new_residual + ((row * hc + t) * hidden + column) * BF16_BYTES, *target_words[t], valid)
+        return p, sum_sq
 
     def _collapse(self, targets, coefficients):
         """Contract step 5: c = +0; c = fma(new_residual[t], pre[t], c) over t in order; p = bf16(c)."""
@@ -563,3 +638,10 @@ class ConsumerKernel:
     def _scale_columns(self) -> int:
         # The MXFP8 variant requires H % 128 == 0, so H/32 is already a multiple of 4.
         return self.spec.hidden_size // MXFP8_BLOCK
+
+
+class WideFormKernel(ConsumerKernel):
+    """A consumer's wide form (ConsumerSpec.wide), launched by the narrow form's host function
+    for calls of WIDE_FORM_MIN_TOKENS tokens or more. Its own class only so that its kernel's
+    name says which form ran (the DSL names a kernel after its object's class: a profiler trace
+    shows "WideFormKernel")."""
