@@ -8,9 +8,12 @@ case re-runs alone (`python -m conformance run --case ID`).
 
 Presets:
 * ``full``: TP x H x hc x M x op x variant (3456 cases), each with one input family assigned
-  from its shape so that every family appears with every value of every axis;
+  from its shape so that every family appears with every value of every axis, and the wide
+  form's edge (36 cases: TP 1, hc 8, M 1023 and 1024, every H, op and variant; see
+  WIDE_FORM_TOKEN_COUNTS): 3492 cases;
 * ``default``: every TP x H x hc x op x variant combination with four M values, one from each
-  quarter of the M list, cycling (1152 cases);
+  quarter of the M list, cycling (1152 cases), and the wide form's first M, 1024 (18 cases):
+  1170 cases;
 * ``quick``: every TP x op x variant combination at a small and a real hidden size, hc and M
   cycling (48 cases), for CI minutes.
 """
@@ -24,7 +27,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from mhc_ar.config import MAX_HC, MXFP8_BLOCK, VECTOR_ELEMS, Contribution, Variant
+from mhc_ar.config import MAX_HC, MXFP8_BLOCK, REGISTER_BOUND_MAX_HC, VECTOR_ELEMS, WIDE_FORM_MIN_TOKENS, Contribution, Variant
 from mhc_ar.protocol import MAX_TP
 
 TP_SIZES = (1, 2, 4, 8)
@@ -34,6 +37,13 @@ HC_VALUES = (1, 2, 4, 8)
 # MXFP8 scale tile, and the capacity itself.
 TOKEN_COUNTS = (1, 2, 3, 5, 8, 16, 31, 64, 127, 128, 129, 256)
 CAPACITY = 256
+# One more edge, past the capacity: at tp = 1 with hc > 4 a call of WIDE_FORM_MIN_TOKENS tokens
+# launches the consumer's wide form and one of a token fewer its narrow form
+# (mhc_ar.config.ConsumerSpec.wide). The full preset takes both counts and the default preset the
+# first wide one, for every hidden size, op and variant, on instances of exactly
+# WIDE_FORM_MIN_TOKENS tokens; the quick preset and runs given --m take neither.
+WIDE_FORM_TOKEN_COUNTS = (WIDE_FORM_MIN_TOKENS - 1, WIDE_FORM_MIN_TOKENS)
+WIDE_FORM_CAPACITY = WIDE_FORM_MIN_TOKENS
 FINALIZE_TOP_K = 8
 # The mxfp8 variant's hidden sizes: whole groups of 4 MXFP8 blocks, the 4 scale columns of the
 # 128x4 scale swizzle (as mhc_ar.config's ConsumerSpec requires).
@@ -284,7 +294,17 @@ class Filters:
 
 def _full_shapes(filters: Filters) -> list[Shape]:
     tps, hiddens, hcs, ops, variants = filters.axes(TP_SIZES, HIDDEN_SIZES, HC_VALUES, OPS, VARIANTS)
-    return list(itertools.product(tps, hiddens, hcs, filters.m or TOKEN_COUNTS, ops, variants))
+    return list(itertools.product(tps, hiddens, hcs, filters.m or TOKEN_COUNTS, ops, variants)) + _wide_form_shapes(
+        filters, WIDE_FORM_TOKEN_COUNTS)
+
+
+def _wide_form_shapes(filters: Filters, counts: Sequence[int]) -> list[Shape]:
+    """The wide form's edge (WIDE_FORM_TOKEN_COUNTS) on the filters' tp = 1, hc > 4 axes."""
+    if filters.m:
+        return []
+    tps, hiddens, hcs, ops, variants = filters.axes(TP_SIZES, HIDDEN_SIZES, HC_VALUES, OPS, VARIANTS)
+    hcs = [hc for hc in hcs if hc > REGISTER_BOUND_MAX_HC]
+    return list(itertools.product([tp for tp in tps if tp == 1], hiddens, hcs, counts, ops, variants))
 
 
 def _index(values_and_axes) -> int:
@@ -303,7 +323,7 @@ def _default_shapes(filters: Filters) -> list[Shape]:
         c = _index(((tp, TP_SIZES), (hidden, HIDDEN_SIZES), (hc, HC_VALUES), (op, OPS), (variant, VARIANTS)))
         ms = filters.m or [TOKEN_COUNTS[(c + stride * k) % len(TOKEN_COUNTS)] for k in range(DEFAULT_M_PER_COMBINATION)]
         shapes += [(tp, hidden, hc, m, op, variant) for m in ms]
-    return shapes
+    return shapes + _wide_form_shapes(filters, WIDE_FORM_TOKEN_COUNTS[-1:])
 
 
 def _quick_shapes(filters: Filters) -> list[tuple[Shape, Family]]:
@@ -341,7 +361,9 @@ def preset_cases(preset: Preset | str, filters: Filters = Filters(), *, seed_off
             continue
         families = filters.family if filters.family is not None else (assigned,)
         for family in families:
-            case = Case(tp=tp, hidden=hidden, hc=hc, m=m, op=op, variant=variant, family=family, seed_offset=seed_offset)
+            capacity = CAPACITY if m <= CAPACITY else WIDE_FORM_CAPACITY
+            case = Case(tp=tp, hidden=hidden, hc=hc, m=m, op=op, variant=variant, family=family, capacity=capacity,
+                        seed_offset=seed_offset)
             cases.setdefault(case.id, case)
     return list(cases.values())
 

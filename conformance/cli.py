@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     size = run.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="a small covering subset (~50 cases) for CI")
-    size.add_argument("--full", action="store_true", help="the complete matrix (3456 cases)")
+    size.add_argument("--full", action="store_true", help="the complete matrix (3492 cases)")
     for name, what in (
         ("tp", "TP sizes"),
         ("hidden", "hidden sizes"),

@@ -20,6 +20,7 @@ from conformance.cases import (
     TOKEN_COUNTS,
     TP_SIZES,
     VARIANTS,
+    WIDE_FORM_TOKEN_COUNTS,
     Case,
     Family,
     Filters,
@@ -30,7 +31,7 @@ from conformance.cases import (
     parse_list,
     preset_cases,
 )
-from mhc_ar.config import Contribution, Variant
+from mhc_ar.config import WIDE_FORM_MIN_TOKENS, Contribution, Variant
 
 AXES = ("tp", "hidden", "hc", "m", "op", "variant")
 
@@ -39,11 +40,27 @@ def _combinations(cases, *axes):
     return {tuple(getattr(c, a) for a in axes) for c in cases}
 
 
-def test_full_matrix_is_the_complete_cross_product():
+def test_full_matrix_is_the_complete_cross_product_and_the_wide_form_edge():
     cases = preset_cases(Preset.FULL)
-    assert len(cases) == 4 * 3 * 4 * 12 * 2 * 3 == 3456
+    assert len(cases) == 4 * 3 * 4 * 12 * 2 * 3 + 3 * 2 * 2 * 3 == 3492
     expected = set(itertools.product(TP_SIZES, HIDDEN_SIZES, HC_VALUES, TOKEN_COUNTS, OPS, VARIANTS))
-    assert _combinations(cases, *AXES) == expected
+    wide = set(itertools.product((1,), HIDDEN_SIZES, (8,), (1023, 1024), OPS, VARIANTS))
+    assert WIDE_FORM_TOKEN_COUNTS == (WIDE_FORM_MIN_TOKENS - 1, WIDE_FORM_MIN_TOKENS) == (1023, 1024)
+    assert _combinations(cases, *AXES) == expected | wide
+    assert {c.capacity for c in cases if c.m > CAPACITY} == {WIDE_FORM_MIN_TOKENS}
+    assert {c.capacity for c in cases if c.m <= CAPACITY} == {CAPACITY}
+    edge = [c for c in cases if c.m == WIDE_FORM_MIN_TOKENS]
+    assert {c.family for c in edge} == set(FAMILIES)
+    assert Case.from_id(edge[0].id) == edge[0] and edge[0].id.endswith(f"-cap{WIDE_FORM_MIN_TOKENS}")
+
+
+def test_the_wide_form_edge_follows_the_filters():
+    assert not [c for c in preset_cases(Preset.FULL, Filters(tp=(2, 4))) if c.m > CAPACITY]
+    assert not [c for c in preset_cases(Preset.FULL, Filters(hc=(1, 2, 4))) if c.m > CAPACITY]
+    assert not [c for c in preset_cases(Preset.FULL, Filters(m=(1, 16))) if c.m > CAPACITY]
+    assert not [c for c in preset_cases(Preset.QUICK) if c.m > CAPACITY]
+    only = preset_cases(Preset.FULL, Filters(tp=(1,), hidden=(5120,), hc=(8,), variant=(Variant.MXFP8,)))
+    assert {(c.m, c.op) for c in only if c.m > CAPACITY} == set(itertools.product((1023, 1024), OPS))
 
 
 def test_default_preset_covers_every_tp_h_hc_op_variant_combination():
@@ -52,7 +69,8 @@ def test_default_preset_covers_every_tp_h_hc_op_variant_combination():
     assert _combinations(cases, "tp", "hidden", "hc", "op", "variant") == set(
         itertools.product(TP_SIZES, HIDDEN_SIZES, HC_VALUES, OPS, VARIANTS)
     )
-    assert {c.m for c in cases} == set(TOKEN_COUNTS)  # M values cycle through all of them
+    assert {c.m for c in cases} == set(TOKEN_COUNTS) | {WIDE_FORM_MIN_TOKENS}  # M values cycle through all of them
+    assert len([c for c in cases if c.m == WIDE_FORM_MIN_TOKENS]) == 3 * 2 * 3  # tp 1, hc 8: every H, op, variant
     assert {c.family for c in cases} == set(FAMILIES)
     # A default case is a full-matrix case: same id, same seed.
     full_ids = {c.id for c in preset_cases(Preset.FULL)}
