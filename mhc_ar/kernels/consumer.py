@@ -222,17 +222,17 @@ class ConsumerKernel:
         arguments = (mailbox, state, (source, gemm2, weights, routes), (residual, post, comb, pre, norm_weight),
                      (new_residual, layer_input, mx_values, mx_scales), eps, num_tokens, gemm2_rows)
         if cutlass.const_expr(self.wide_form is None):
-            self._launch(arguments, stream)
+            self._launch(arguments, num_tokens, stream)
         else:
+            # Chosen on the host per call, from M (a graph captures the choice of its M).
             if num_tokens >= WIDE_FORM_MIN_TOKENS:
-                self.wide_form._launch(arguments, stream)
+                self.wide_form._launch(arguments, num_tokens, stream)
             else:
-                self._launch(arguments, stream)
+                self._launch(arguments, num_tokens, stream)
 
-    def _launch(self, arguments, stream):
-        """This kernel's launch, traced into the caller's host function."""
+    def _launch(self, arguments, num_tokens, stream):
+        """This kernel's launch (arguments: those of `kernel`), traced into the caller's host function."""
         tiling, spec = self.tiling, self.spec
-        num_tokens = arguments[6]
         self.kernel(*arguments).launch(
             grid=[num_tokens * tiling.cluster_size, 1, 1],
             block=[tiling.threads_per_cta, 1, 1],
