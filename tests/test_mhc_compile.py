@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from conformance.ptx_contract import parse_instructions
+from conformance.ptx_contract import kernel_entries, parse_instructions
 from mhc_ar.compile import (
     compile_consumer,
     compile_publish,
@@ -24,10 +24,9 @@ H, HC, TP, CAPACITY, TOP_K = 5120, 4, 4, 64, 6
 
 def _entries(ptx: str) -> list[str]:
     """Each kernel's PTX text with its own names (entry, parameters, labels) made neutral."""
-    bodies = re.findall(r"\.entry \S+\(.*?\n\}\n", ptx, re.S)
     return [
         re.sub(r"\$L__BB\d+_", "$L_", re.sub(r"\w+_param_(\d+)", r"param_\1", re.sub(r"\.entry \S+\(", ".entry K(", b)))
-        for b in bodies
+        for b in kernel_entries(ptx)
     ]
 
 
@@ -276,7 +275,7 @@ def test_tp1_above_hc4_reads_the_coefficients_from_shared_memory_in_two_forms(hc
     form, for calls of WIDE_FORM_MIN_TOKENS or more, re-reads every row for each word of the
     fragment as volatile vectors (rows padded to whole 16-byte vectors) under a bound of 640
     threads per SM (WIDE_FORM_THREADS_PER_SM: 5 CTAs of 128 threads, 2 of 256 at H > 8192)."""
-    from conformance.ptx_contract import check_ptx, kernel_entries
+    from conformance.ptx_contract import check_ptx
 
     direct = ConsumerSpec(choose_consumer_tiling(7168), hc=hc, tp=1, capacity=CAPACITY, variant=variant)
     mailbox = dataclasses.replace(direct, tp=2)
